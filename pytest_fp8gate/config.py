@@ -1,0 +1,555 @@
+"""Load thresholds.toml into frozen dataclasses.
+
+Every problem becomes one ConfigError whose message is a single line naming the
+file, the dotted key, and what was expected, so pytest can print it as a usage
+error instead of a traceback. The schema is documented in docs/thresholds.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import sys
+from dataclasses import MISSING, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Callable, Collection, Literal
+
+from . import gpus
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(Exception):
+    """thresholds.toml is missing or invalid; str() is one line."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # id used in test ids
+    model: str  # Hugging Face id, or an absolute local path
+    quantization: str | None  # vLLM quantization name; None: as the checkpoint says
+    # Effective vllm.LLM keyword arguments: a candidate's table merged over the baseline's.
+    engine: dict[str, Any] = field(hash=False)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for vllm.LLM (a fresh dict each call)."""
+        return {"model": self.model, "quantization": self.quantization, **self.engine}
+
+
+@dataclass(frozen=True)
+class NoiseSpec:
+    passes: tuple[str, ...] = ("batch-order",)
+
+
+@dataclass(frozen=True)
+class DatasetCorpus:
+    """Text from a Hugging Face dataset, fetched on the runner."""
+
+    dataset: str
+    name: str | None = None
+    split: str = "test"
+    column: str = "text"
+
+
+@dataclass(frozen=True)
+class FileCorpus:
+    path: Path  # absolute
+
+
+WIKITEXT_2 = DatasetCorpus("Salesforce/wikitext", "wikitext-2-raw-v1", "test", "text")
+
+
+@dataclass(frozen=True)
+class ProbabilityLimits:
+    min_same_top: float | None = None
+    max_rms_dp: float | None = None
+    max_mean_kl: float | None = None
+    max_ppl_ratio: float | None = None
+    floor_ratio: float | None = None  # applies only where the noise floor is > 0
+
+
+@dataclass(frozen=True)
+class ProbabilitySpec:
+    corpus: DatasetCorpus | FileCorpus = WIKITEXT_2
+    chunks: int = 100
+    chunk_tokens: int = 2048
+    top_k: int = 20
+    full_vocab: bool | Literal["auto"] = "auto"
+    limits: ProbabilityLimits = ProbabilityLimits()
+
+
+@dataclass(frozen=True)
+class TaskLimits:
+    accuracy_se: float = 1.0
+    two_sided: bool = False
+    flips_ratio: float = 2.0
+    min_flip_allowance: float = 0.01
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    task: str
+    metric: str
+    num_fewshot: int | None = None  # None: the task's own default
+    limit: int = 0  # 0: every question
+    filter: str = "none"
+    add_bos_token: bool = True
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool = False
+    include_path: Path | None = None  # absolute
+    max_gen_toks: int | None = None  # None: the task's (or lm-eval's) default
+    limits: TaskLimits = TaskLimits()
+
+
+@dataclass(frozen=True)
+class SpeedSpec:
+    input_len: int = 1000
+    output_len: int = 256
+    batch_size: int = 1
+    warmup_iters: int = 3
+    iters: int = 10
+    min_fraction_of_ceiling: float = 0.8
+    gpu: str = "auto"  # "auto", a bandwidth-table name, or a label when bandwidth_gbps > 0
+    bandwidth_gbps: float = 0.0  # 0: from the GPU table
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    path: Path  # absolute
+    baseline: ModelSpec
+    candidates: tuple[ModelSpec, ...]
+    noise: NoiseSpec
+    probabilities: ProbabilitySpec | None
+    tasks: tuple[TaskSpec, ...]
+    speed: SpeedSpec | None
+
+
+def load_config(path: Path | str) -> GateConfig:
+    """Read and validate a thresholds TOML file; raise ConfigError on any problem."""
+    path = Path(path)
+    label = str(path)
+    try:
+        with path.open("rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{label}: file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{label}: is a directory, expected a TOML file") from None
+    except OSError as err:
+        raise ConfigError(f"{label}: cannot read: {err.strerror}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{label}: invalid TOML: {err}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{label}: not UTF-8 text") from None
+    return _Parser(label, path.resolve().parent).gate(raw, path.resolve())
+
+
+# --- value checks -------------------------------------------------------------
+# A check returns the (possibly converted) value or raises _Invalid with the
+# "expected ..., got ..." half of the message.
+
+
+class _Invalid(Exception):
+    pass
+
+
+_Check = Callable[[Any], Any]
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    return f"{type(value).__name__} {value}"  # TOML dates and times
+
+
+def _closest(word: str, choices: Collection[str]) -> str | None:
+    close = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _suggest_key(key: str, keys: Collection[str]) -> str:
+    closest = _closest(key, keys)
+    return f"did you mean {closest!r}?" if closest else "expected one of: " + ", ".join(sorted(keys))
+
+
+def _range_text(low: float | None, high: float | None, low_open: bool) -> str:
+    if low is not None and high is not None:
+        return f" in {'(' if low_open else '['}{low:g}, {high:g}]"
+    if low is not None:
+        return f" {'>' if low_open else '>='} {low:g}"
+    return ""
+
+
+def _integer(low: int | None = None, high: int | None = None) -> _Check:
+    expected = "an integer" + _range_text(low, high, False)
+
+    def check(value: Any) -> int:
+        # TOML booleans are Python ints; reject them explicitly.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _Invalid(f"expected {expected}, got {_show(value)}")
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise _Invalid(f"expected {expected}, got {value}")
+        return value
+
+    return check
+
+
+def _number(low: float | None = None, high: float | None = None, *, low_open: bool = False) -> _Check:
+    expected = "a number" + _range_text(low, high, low_open)
+
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _Invalid(f"expected {expected}, got {_show(value)}")
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high):
+            raise _Invalid(f"expected {expected}, got {value!r}")
+        return float(value)
+
+    return check
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid(f"expected true or false, got {_show(value)}")
+    return value
+
+
+def _text(choices: Collection[str] = (), *, allow_empty: bool = False) -> _Check:
+    def check(value: Any) -> str:
+        if not isinstance(value, str):
+            raise _Invalid(f"expected a string, got {_show(value)}")
+        if choices and value not in choices:
+            quoted = ", ".join(repr(c) for c in choices)
+            closest = _closest(value, choices)
+            suffix = f"; did you mean {closest!r}?" if closest else ""
+            raise _Invalid(f"expected one of {quoted}, got {_show(value)}{suffix}")
+        if not value and not allow_empty:
+            raise _Invalid("expected a non-empty string")
+        return value
+
+    return check
+
+
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise _Invalid(
+            "expected a name of letters, digits, '.', '_', '+' or '-' "
+            f"(it becomes part of test ids), got {_show(value)}"
+        )
+    return value
+
+
+def _full_vocab(value: Any) -> bool | str:
+    if value == "auto" or isinstance(value, bool):
+        return value
+    raise _Invalid(f"expected \"auto\", true or false, got {_show(value)}")
+
+
+_NOISE_PASSES = ("batch-order", "fp16")
+
+
+def _passes(value: Any) -> list[str]:
+    if not isinstance(value, list) or not value:
+        raise _Invalid(f'expected a non-empty array of "batch-order" and/or "fp16", got {_show(value)}')
+    check = _text(_NOISE_PASSES)
+    passes = [check(item) for item in value]
+    if len(set(passes)) != len(passes):
+        raise _Invalid(f"expected each pass at most once, got {passes}")
+    return passes
+
+
+_ENGINE: dict[str, _Check] = {
+    "tensor_parallel_size": _integer(1),
+    "pipeline_parallel_size": _integer(1),
+    "data_parallel_size": _integer(1),
+    "max_model_len": _integer(1),
+    "gpu_memory_utilization": _number(0, 1, low_open=True),
+    "kv_cache_dtype": _text(),
+    "enforce_eager": _boolean,
+    "max_num_seqs": _integer(1),
+    "max_num_batched_tokens": _integer(1),
+    "dtype": _text(("auto", "half", "float16", "bfloat16", "float", "float32")),
+    "seed": _integer(0),
+    "trust_remote_code": _boolean,
+    "revision": _text(),
+    "tokenizer": _text(),
+    "distributed_executor_backend": _text(("mp", "ray", "uni", "external_launcher")),
+    "swap_space": _number(0),
+    "cpu_offload_gb": _number(0),
+    "block_size": _integer(1),
+    "enable_prefix_caching": _boolean,
+    "kv_cache_memory_bytes": _integer(1),
+}
+_MODEL_KEYS = ("name", "model", "quantization", "engine")
+_FRACTION = _number(0, 1)
+_POSITIVE_FRACTION = _number(0, 1, low_open=True)
+_RATIO = _number(1)  # a limit relative to BF16 or to the noise floor is never below 1
+_CORPUS_FORMS = '"wikitext-2", a text file or a table {dataset = ...}'
+_DATASET_CHECKS = {"dataset": _text(), "name": _text(), "split": _text(), "column": _text()}
+_PROBABILITY_CHECKS = {
+    "chunks": _integer(1),
+    "chunk_tokens": _integer(2),  # one scored position needs two tokens
+    "top_k": _integer(1),
+    "full_vocab": _full_vocab,
+}
+_PROBABILITY_KEYS = (*_PROBABILITY_CHECKS, "corpus", "limits")
+_PROBABILITY_LIMIT_CHECKS = {
+    "min_same_top": _POSITIVE_FRACTION,
+    "max_rms_dp": _FRACTION,
+    "max_mean_kl": _number(0),
+    "max_ppl_ratio": _RATIO,
+    "floor_ratio": _RATIO,
+}
+_TASK_CHECKS = {
+    "task": _text(),
+    "metric": _text(),
+    "num_fewshot": _integer(0),
+    "limit": _integer(0),
+    "filter": _text(),
+    "add_bos_token": _boolean,
+    "apply_chat_template": _boolean,
+    "fewshot_as_multiturn": _boolean,
+    "include_path": _text(allow_empty=True),
+    "max_gen_toks": _integer(1),
+}
+_TASK_KEYS = (*_TASK_CHECKS, "name", "limits")
+_TASK_LIMIT_CHECKS = {
+    "accuracy_se": _number(0, low_open=True),
+    "two_sided": _boolean,
+    "flips_ratio": _RATIO,
+    "min_flip_allowance": _FRACTION,
+}
+_SPEED_CHECKS = {
+    "input_len": _integer(1),
+    "output_len": _integer(1),
+    "batch_size": _integer(1),
+    "warmup_iters": _integer(0),
+    "iters": _integer(1),
+    "min_fraction_of_ceiling": _POSITIVE_FRACTION,
+    "gpu": _text(),
+    "bandwidth_gbps": _number(0),
+}
+
+
+# --- tables -------------------------------------------------------------------
+
+
+class _Table:
+    """One TOML table being read: knows its dotted key and rejects unknown keys up front."""
+
+    def __init__(self, parser: _Parser, where: str, raw: Any, keys: Collection[str]):
+        self.parser, self.where = parser, where
+        if not isinstance(raw, dict):
+            raise parser.error(where, f"expected a table, got {_show(raw)}")
+        for key in raw:
+            if key not in keys:
+                raise parser.error(self.key(key), "unknown key; " + _suggest_key(key, keys))
+        self.raw: dict[str, Any] = raw
+
+    def key(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def get(self, key: str, check: _Check, default: Any = MISSING) -> Any:
+        if key not in self.raw:
+            if default is MISSING:
+                raise self.parser.error(self.key(key), "missing required key")
+            return default
+        try:
+            return check(self.raw[key])
+        except _Invalid as err:
+            raise self.parser.error(self.key(key), str(err)) from None
+
+    def values(self, cls: type, checks: dict[str, _Check]) -> dict[str, Any]:
+        """Checked values of `checks`' keys; an absent key takes `cls`'s field default or is required."""
+        defaults = {f.name: f.default for f in fields(cls)}
+        return {key: self.get(key, check, defaults[key]) for key, check in checks.items()}
+
+    def table(self, key: str, keys: Collection[str]) -> _Table:
+        return _Table(self.parser, self.key(key), self.raw.get(key, {}), keys)
+
+    def array_of_tables(self, key: str) -> list[Any]:
+        value = self.raw.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+            raise self.parser.error(self.key(key), f"expected an array of tables ([[{key}]]), got {_show(value)}")
+        return value
+
+
+class _Parser:
+    def __init__(self, label: str, base_dir: Path):
+        self.label, self.base_dir = label, base_dir
+
+    def error(self, where: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.label}: {where}: {message}")
+
+    def gate(self, raw: dict[str, Any], path: Path) -> GateConfig:
+        top = _Table(self, "", raw, ("baseline", "candidates", "noise", "probabilities", "tasks", "speed"))
+        if "baseline" not in raw:
+            raise self.error("baseline", "missing required table [baseline]")
+        baseline = self.model_spec(top.table("baseline", _MODEL_KEYS), None)
+        candidate_tables = top.array_of_tables("candidates")
+        if not candidate_tables:
+            raise self.error("candidates", "expected at least one [[candidates]] table")
+        candidates = tuple(
+            self.model_spec(_Table(self, f"candidates[{i}]", item, _MODEL_KEYS), baseline)
+            for i, item in enumerate(candidate_tables)
+        )
+        self.unique_names({"baseline": baseline, **_indexed("candidates", candidates)})
+        tasks = tuple(
+            self.task(_Table(self, f"tasks[{i}]", item, _TASK_KEYS))
+            for i, item in enumerate(top.array_of_tables("tasks"))
+        )
+        self.unique_names(_indexed("tasks", tasks))
+        config = GateConfig(
+            path=path,
+            baseline=baseline,
+            candidates=candidates,
+            noise=self.noise(top.table("noise", ("passes",))),
+            probabilities=self.probabilities(top.table("probabilities", _PROBABILITY_KEYS))
+            if "probabilities" in raw
+            else None,
+            tasks=tasks,
+            speed=self.speed(top.table("speed", _SPEED_CHECKS)) if "speed" in raw else None,
+        )
+        if config.probabilities is None and not config.tasks and config.speed is None:
+            raise self.error("(top level)", "expected at least one check: [probabilities], [[tasks]] or [speed]")
+        self.check_context_fits(config)
+        return config
+
+    # models
+
+    def model_spec(self, table: _Table, baseline: ModelSpec | None) -> ModelSpec:
+        name = table.get("name", _name)
+        # A candidate without a model quantizes the baseline's weights online.
+        model = table.get("model", _text(), MISSING if baseline is None else baseline.model)
+        model = self.model_ref(table.key("model"), model)
+        quantization = table.get("quantization", _text(allow_empty=True), "") or None
+        engine = self.engine(table.table("engine", _ENGINE))
+        spec = ModelSpec(name, model, quantization, {**(baseline.engine if baseline else {}), **engine})
+        if baseline is not None and spec == replace(baseline, name=name):
+            raise self.error(table.where, "same model, quantization and engine as the baseline; it would gate nothing")
+        return spec
+
+    def engine(self, table: _Table) -> dict[str, Any]:
+        engine = {key: table.get(key, check) for key, check in _ENGINE.items() if key in table.raw}
+        if "tokenizer" in engine:
+            engine["tokenizer"] = self.model_ref(table.key("tokenizer"), engine["tokenizer"])
+        return engine
+
+    def model_ref(self, where: str, value: str) -> str:
+        """A Hugging Face id, or a local path resolved against the TOML's directory."""
+        local = self.resolve(value)
+        if local.exists():
+            return str(local)
+        if value.startswith(("./", "../", "/", "~")) or value in (".", ".."):
+            raise self.error(where, f"local path not found: {local}")
+        return value
+
+    def resolve(self, value: str) -> Path:
+        return (self.base_dir / Path(value).expanduser()).resolve()
+
+    def unique_names(self, specs: dict[str, ModelSpec | TaskSpec]) -> None:
+        """Names become test ids, so two specs of one kind may not share one."""
+        seen: dict[str, str] = {}
+        for where, spec in specs.items():
+            if spec.name in seen:
+                raise self.error(f"{where}.name", f"duplicate name {spec.name!r} (also used by {seen[spec.name]})")
+            seen[spec.name] = where
+
+    # checks
+
+    def noise(self, table: _Table) -> NoiseSpec:
+        return NoiseSpec(tuple(table.get("passes", _passes, NoiseSpec.passes)))
+
+    def probabilities(self, table: _Table) -> ProbabilitySpec:
+        limits = table.table("limits", _PROBABILITY_LIMIT_CHECKS)
+        if not limits.raw:
+            expected = ", ".join(_PROBABILITY_LIMIT_CHECKS)
+            raise self.error(limits.where, f"expected at least one of {expected}; nothing is gated")
+        return ProbabilitySpec(
+            corpus=self.corpus(table.key("corpus"), table.raw.get("corpus", "wikitext-2")),
+            limits=ProbabilityLimits(**limits.values(ProbabilityLimits, _PROBABILITY_LIMIT_CHECKS)),
+            **table.values(ProbabilitySpec, _PROBABILITY_CHECKS),
+        )
+
+    def corpus(self, where: str, value: Any) -> DatasetCorpus | FileCorpus:
+        if value == "wikitext-2":
+            return WIKITEXT_2
+        if isinstance(value, dict):
+            table = _Table(self, where, value, _DATASET_CHECKS)
+            return DatasetCorpus(**table.values(DatasetCorpus, _DATASET_CHECKS))
+        if not isinstance(value, str) or not value:
+            raise self.error(where, f"expected {_CORPUS_FORMS}, got {_show(value)}")
+        path = self.resolve(value)
+        if not path.is_file():
+            raise self.error(where, f"file not found: {path} (expected {_CORPUS_FORMS})")
+        return FileCorpus(path)
+
+    def task(self, table: _Table) -> TaskSpec:
+        values = table.values(TaskSpec, _TASK_CHECKS)
+        values["include_path"] = self.directory(table.key("include_path"), values["include_path"])
+        limits = table.table("limits", _TASK_LIMIT_CHECKS)
+        spec = TaskSpec(
+            name=table.get("name", _name, values["task"]),
+            limits=TaskLimits(**limits.values(TaskLimits, _TASK_LIMIT_CHECKS)),
+            **values,
+        )
+        if spec.fewshot_as_multiturn and not spec.apply_chat_template:
+            raise self.error(table.key("fewshot_as_multiturn"), "has no effect unless apply_chat_template = true")
+        return spec
+
+    def directory(self, where: str, value: str | None) -> Path | None:
+        if not value:
+            return None
+        path = self.resolve(value)
+        if not path.is_dir():
+            raise self.error(where, f"directory not found: {path}")
+        return path
+
+    def speed(self, table: _Table) -> SpeedSpec:
+        values = table.values(SpeedSpec, _SPEED_CHECKS)
+        if values["gpu"] != "auto":
+            entry = gpus.find_gpu(values["gpu"])
+            if entry is not None:
+                values["gpu"] = entry.name
+            elif not values["bandwidth_gbps"]:
+                raise self.error(
+                    table.key("gpu"),
+                    f'unknown GPU {values["gpu"]!r}; expected "auto", one of {", ".join(gpus.known_names())}, '
+                    "or any label together with speed.bandwidth_gbps > 0",
+                )
+        return SpeedSpec(**values)
+
+    def check_context_fits(self, config: GateConfig) -> None:
+        """Fail now, not after an engine start, when a check's sequences exceed max_model_len."""
+        needs = []
+        if config.probabilities:
+            needs.append(("probabilities.chunk_tokens", config.probabilities.chunk_tokens, ""))
+        if config.speed:
+            tokens = config.speed.input_len + config.speed.output_len
+            needs.append(("speed.output_len", tokens, " (input_len + output_len)"))
+        specs = {"baseline": config.baseline, **_indexed("candidates", config.candidates)}
+        for where, spec in specs.items():
+            limit = spec.engine.get("max_model_len")
+            for key, tokens, detail in needs:
+                if limit is not None and tokens > limit:
+                    raise self.error(
+                        key, f"needs {tokens} tokens of context{detail} but {where}.engine.max_model_len is {limit}"
+                    )
+
+
+def _indexed(where: str, specs: tuple[Any, ...]) -> dict[str, Any]:
+    return {f"{where}[{i}]": spec for i, spec in enumerate(specs)}

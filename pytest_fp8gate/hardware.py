@@ -1,0 +1,100 @@
+"""Which CUDA devices this process can see, found without initialising CUDA if possible.
+
+nvidia-smi is asked first: it is fast and leaves no CUDA context behind. It lists
+every GPU on the host, so CUDA_VISIBLE_DEVICES is applied here the way the CUDA
+runtime applies it. torch is the fallback and is imported only then (it takes
+seconds, and the plugin must stay cheap to load).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+_SMI_TIMEOUT_S = 20
+
+
+@dataclass(frozen=True)
+class CudaProbe:
+    names: tuple[str, ...]  # CUDA-reported names of the visible devices, in CUDA order
+    source: str  # how they were found, for skip reasons and the report header
+
+
+@functools.cache
+def probe_cuda() -> CudaProbe:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    smi = shutil.which("nvidia-smi")
+    notes = []
+    # MIG instance ids cannot be mapped to nvidia-smi's GPU rows; torch resolves them.
+    if smi and "MIG-" not in (visible or ""):
+        rows, failure = _nvidia_smi_rows(smi)
+        if rows is not None:
+            names = _apply_visible(rows, visible)
+            where = "nvidia-smi" if visible is None else f"nvidia-smi, CUDA_VISIBLE_DEVICES={visible!r}"
+            return CudaProbe(names, where)
+        notes.append(failure)
+    elif not smi:
+        notes.append("nvidia-smi not found")
+    names, how = _torch_names()
+    return CudaProbe(names, "; ".join([*notes, how]))
+
+
+def cuda_device_names() -> list[str]:
+    """Names of the visible CUDA devices, e.g. ["NVIDIA H100 80GB HBM3"]; [] without one."""
+    return list(probe_cuda().names)
+
+
+def _nvidia_smi_rows(smi: str) -> tuple[list[tuple[str, str, str]] | None, str]:
+    """(index, uuid, name) per GPU, or None and why nvidia-smi could not say."""
+    try:
+        done = subprocess.run(
+            [smi, "--query-gpu=index,uuid,name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=_SMI_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return None, f"nvidia-smi failed: {err}"
+    if done.returncode != 0:
+        detail = (done.stdout + done.stderr).strip().splitlines()
+        return None, f"nvidia-smi exited {done.returncode}: {detail[0] if detail else 'no output'}"
+    rows = []
+    for line in done.stdout.splitlines():
+        parts = [part.strip() for part in line.split(",", 2)]
+        if len(parts) == 3:
+            rows.append((parts[0], parts[1], parts[2]))
+    return rows, ""
+
+
+def _apply_visible(rows: list[tuple[str, str, str]], visible: str | None) -> tuple[str, ...]:
+    """The CUDA runtime's reading of CUDA_VISIBLE_DEVICES: indices or GPU-uuid
+    prefixes, in the order given, stopping at the first entry that matches nothing."""
+    if visible is None:
+        return tuple(name for _, _, name in rows)
+    names = []
+    for entry in (part.strip() for part in visible.split(",")):
+        match = next((name for index, uuid, name in rows if _selects(entry, index, uuid)), None)
+        if match is None:
+            break
+        names.append(match)
+    return tuple(names)
+
+
+def _selects(entry: str, index: str, uuid: str) -> bool:
+    return entry == index or (entry.startswith("GPU-") and uuid.startswith(entry))
+
+
+def _torch_names() -> tuple[tuple[str, ...], str]:
+    try:
+        import torch
+    except ImportError:
+        return (), "torch not installed"
+    try:
+        count = torch.cuda.device_count()  # does not create a CUDA context
+        # Reading names does create one; by now nvidia-smi could not tell us.
+        return tuple(torch.cuda.get_device_name(i) for i in range(count)), f"torch.cuda.device_count() = {count}"
+    except RuntimeError as err:  # a broken driver or CUDA install: no usable device
+        return (), f"torch.cuda failed: {err}"

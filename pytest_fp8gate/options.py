@@ -1,0 +1,88 @@
+"""Options, ini keys and stash keys of the fp8gate plugin, and how they are read."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .config import GateConfig
+
+DEFAULT_CONFIG_NAME = "thresholds.toml"
+REQUIRE_GPU_ENV = "FP8GATE_REQUIRE_GPU"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+@dataclass(frozen=True)
+class Settings:
+    config_path: Path | None  # absolute; None when none was given and rootdir has none
+    require_gpu: bool
+    artifacts: Path | None  # absolute; None when not asked for
+
+
+SETTINGS_KEY = pytest.StashKey[Settings]()
+CONFIG_KEY = pytest.StashKey[GateConfig | None]()  # the loaded thresholds, None without a file
+
+
+def add_options(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fp8gate", "FP8 deploy gate")
+    group.addoption(
+        "--fp8gate-config",
+        metavar="PATH",
+        help=f"Thresholds TOML of the gate (default: {DEFAULT_CONFIG_NAME} in rootdir, when present)",
+    )
+    group.addoption(
+        "--fp8gate-require-gpu",
+        action="store_true",
+        help=f"Error out instead of skipping gpu tests when no CUDA device is visible (also {REQUIRE_GPU_ENV}=1)",
+    )
+    group.addoption("--fp8gate-artifacts", metavar="DIR", help="Directory for the gate's run artifacts")
+    parser.addini("fp8gate_config", "Thresholds TOML of the gate, relative to the ini file")
+    parser.addini("fp8gate_require_gpu", "Error out instead of skipping gpu tests without a CUDA device", type="bool")
+    parser.addini("fp8gate_artifacts", "Directory for the gate's run artifacts, relative to the ini file")
+
+
+def read_settings(config: pytest.Config) -> Settings:
+    """Settings from the command line, else the environment or ini file, else defaults."""
+    config_path = _path_option(config, "fp8gate_config")
+    if config_path is None and (config.rootpath / DEFAULT_CONFIG_NAME).is_file():
+        config_path = config.rootpath / DEFAULT_CONFIG_NAME
+    return Settings(
+        config_path=config_path,
+        require_gpu=bool(config.getoption("fp8gate_require_gpu"))
+        or _env_flag(REQUIRE_GPU_ENV)
+        or bool(config.getini("fp8gate_require_gpu")),
+        artifacts=_path_option(config, "fp8gate_artifacts"),
+    )
+
+
+def display_path(path: Path) -> Path:
+    """A path as users typed it: relative to the working directory when inside it."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
+
+
+def _path_option(config: pytest.Config, name: str) -> Path | None:
+    # Command-line paths are relative to where pytest was invoked, ini paths to the ini file.
+    given = config.getoption(name)
+    if given:
+        return (config.invocation_params.dir / Path(given).expanduser()).resolve()
+    in_ini = config.getini(name)
+    if in_ini:
+        base = config.inipath.parent if config.inipath else config.rootpath
+        return (base / Path(in_ini).expanduser()).resolve()
+    return None
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise pytest.UsageError(f"{name}={os.environ[name]!r}: expected 1 or 0 (or true/false)")

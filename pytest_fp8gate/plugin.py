@@ -1,0 +1,68 @@
+"""pytest hooks of the FP8 deploy gate; the work happens in the modules they call."""
+
+from __future__ import annotations
+
+import pytest
+
+from . import hardware, options
+from .config import ConfigError, load_config
+from .options import CONFIG_KEY, SETTINGS_KEY
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    options.add_options(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one unless --fp8gate-require-gpu")
+    config.addinivalue_line("markers", "fp8gate: a rule of the FP8 deploy gate")
+    settings = options.read_settings(config)
+    config.stash[SETTINGS_KEY] = settings
+    config.stash[CONFIG_KEY] = None
+    # `pytest --help` must keep working while the thresholds file is broken.
+    if settings.config_path is None or config.getoption("help", False):
+        return
+    try:
+        config.stash[CONFIG_KEY] = load_config(options.display_path(settings.config_path))
+    except ConfigError as err:
+        raise pytest.UsageError(str(err)) from None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A skip mark (not pytest.skip in setup) reports the skip at the test's own location.
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items or config.stash[SETTINGS_KEY].require_gpu:
+        return
+    probe = hardware.probe_cuda()
+    if not probe.names:
+        skip = pytest.mark.skip(reason=f"no CUDA device visible ({probe.source})")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)  # before fixtures, which may start an engine
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is None or not item.config.stash[SETTINGS_KEY].require_gpu:
+        return
+    probe = hardware.probe_cuda()
+    if not probe.names:
+        pytest.fail(
+            f"--fp8gate-require-gpu: no CUDA device visible ({probe.source}); "
+            "a deploy gate must never pass by skipping",
+            pytrace=False,
+        )
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    settings, gate = config.stash[SETTINGS_KEY], config.stash[CONFIG_KEY]
+    if gate is None:
+        lines = [f"fp8gate: no thresholds file (--fp8gate-config, or {options.DEFAULT_CONFIG_NAME} in rootdir)"]
+    else:
+        candidates = ", ".join(spec.name for spec in gate.candidates)
+        lines = [f"fp8gate: {options.display_path(gate.path)}: {gate.baseline.name} vs {candidates}"]
+    # Probing may import torch (seconds), so only when the gate is in use.
+    if gate is not None or settings.require_gpu:
+        probe = hardware.probe_cuda()
+        required = "; required" if settings.require_gpu else ""
+        lines.append(f"fp8gate GPUs: {', '.join(probe.names) or 'none visible'} ({probe.source}{required})")
+    return lines

@@ -1,0 +1,278 @@
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from pytest_fp8gate import hardware
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+VALID = """
+[baseline]
+name = "bf16"
+model = "org/base"
+
+[[candidates]]
+name = "fp8"
+quantization = "fp8_per_channel"
+
+[speed]
+"""
+
+GPU_TEST = """
+import pytest
+
+@pytest.mark.gpu
+def test_needs_gpu():
+    pass
+
+def test_plain():
+    pass
+"""
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FP8GATE_REQUIRE_GPU", raising=False)
+
+
+@pytest.fixture
+def no_gpu(fake_gpus) -> None:
+    fake_gpus()
+
+
+def test_help_lists_options_and_ini_keys(pytester: pytest.Pytester):
+    result = pytester.runpytest("--help")
+    result.stdout.fnmatch_lines(
+        [
+            "FP8 deploy gate:",
+            "*--fp8gate-config=PATH*",
+            "*--fp8gate-require-gpu*",
+            "*--fp8gate-artifacts=DIR*",
+            "*fp8gate_config (string)*",
+            "*fp8gate_require_gpu (bool)*",
+            "*fp8gate_artifacts (string)*",
+        ]
+    )
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_help_works_with_a_broken_thresholds_file(pytester: pytest.Pytester):
+    pytester.makefile(".toml", thresholds="[baseline\n")
+    result = pytester.runpytest("--help")
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(["*--fp8gate-config=PATH*"])
+
+
+def test_markers_are_registered(pytester: pytest.Pytester):
+    result = pytester.runpytest("--markers")
+    result.stdout.fnmatch_lines(
+        [
+            "@pytest.mark.gpu: needs a CUDA GPU; skipped without one unless --fp8gate-require-gpu",
+            "@pytest.mark.fp8gate: a rule of the FP8 deploy gate",
+        ]
+    )
+
+
+def test_markers_pass_strict_markers(pytester: pytest.Pytester, no_gpu):
+    pytester.makepyfile(GPU_TEST)
+    pytester.runpytest("--strict-markers").assert_outcomes(passed=1, skipped=1)
+
+
+def test_gpu_test_skipped_without_gpu(pytester: pytest.Pytester, no_gpu):
+    pytester.makepyfile(test_gpu=GPU_TEST)
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    # The skip is reported at the test, not inside the plugin.
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_gpu.py:*: no CUDA device visible (faked by the test)"])
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_gpu_test_runs_with_gpu(pytester: pytest.Pytester, fake_gpus):
+    fake_gpus("NVIDIA H200")
+    pytester.makepyfile(GPU_TEST)
+    pytester.runpytest("--fp8gate-require-gpu").assert_outcomes(passed=2)
+
+
+REQUIRE_GPU_WAYS = {
+    "option": (["--fp8gate-require-gpu"], {}, None),
+    "env": ([], {"FP8GATE_REQUIRE_GPU": "1"}, None),
+    "env-true": ([], {"FP8GATE_REQUIRE_GPU": "true"}, None),
+    "ini": ([], {}, "[pytest]\nfp8gate_require_gpu = true\n"),
+}
+
+
+@pytest.mark.parametrize("args, env, ini", REQUIRE_GPU_WAYS.values(), ids=REQUIRE_GPU_WAYS.keys())
+def test_require_gpu_turns_the_skip_into_an_error(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, no_gpu, args, env, ini
+):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if ini:
+        pytester.makeini(ini)
+    pytester.makepyfile(GPU_TEST)
+    result = pytester.runpytest(*args)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_needs_gpu*",
+            "--fp8gate-require-gpu: no CUDA device visible (faked by the test); "
+            "a deploy gate must never pass by skipping",
+        ]
+    )
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_require_gpu_env_zero_means_off(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, no_gpu):
+    monkeypatch.setenv("FP8GATE_REQUIRE_GPU", "0")
+    pytester.makepyfile(GPU_TEST)
+    pytester.runpytest().assert_outcomes(passed=1, skipped=1)
+
+
+def test_require_gpu_env_garbage_is_a_usage_error(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("FP8GATE_REQUIRE_GPU", "maybe")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: FP8GATE_REQUIRE_GPU='maybe': expected 1 or 0 (or true/false)"])
+
+
+INVALID_TOML = "[baseline\nname = 1\n"
+
+
+def toml_error(text: str) -> str:
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        return str(err)
+    raise AssertionError("valid TOML")
+
+
+BAD_THRESHOLDS = {
+    "unknown key": (
+        VALID + '[[candidates]]\nname = "b"\nmodel = "org/b"\n[candidates.engine]\ntensor_paralel_size = 2\n',
+        "thresholds.toml: candidates[1].engine.tensor_paralel_size: unknown key; did you mean 'tensor_parallel_size'?",
+    ),
+    "wrong type": (
+        VALID.replace("[speed]", '[speed]\niters = "10"'),
+        "thresholds.toml: speed.iters: expected an integer >= 1, got string '10'",
+    ),
+    "out of range": (
+        VALID.replace("[speed]", "[speed]\nmin_fraction_of_ceiling = 80"),
+        "thresholds.toml: speed.min_fraction_of_ceiling: expected a number in (0, 1], got 80",
+    ),
+    "empty candidates": (
+        'candidates = []\n[baseline]\nname = "bf16"\nmodel = "org/base"\n[speed]\n',
+        "thresholds.toml: candidates: expected at least one [[candidates]] table",
+    ),
+    "duplicate names": (
+        VALID + '[[candidates]]\nname = "fp8"\nmodel = "org/b"\n',
+        "thresholds.toml: candidates[1].name: duplicate name 'fp8' (also used by candidates[0])",
+    ),
+    "invalid TOML": (INVALID_TOML, f"thresholds.toml: invalid TOML: {toml_error(INVALID_TOML)}"),
+}
+
+
+@pytest.mark.parametrize("text, message", BAD_THRESHOLDS.values(), ids=BAD_THRESHOLDS.keys())
+def test_bad_thresholds_are_a_usage_error_without_traceback(pytester: pytest.Pytester, text: str, message: str):
+    pytester.makefile(".toml", thresholds=text)
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.stderr.lines[0] == f"ERROR: {message}"
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()
+
+
+def test_missing_local_model_is_a_usage_error(pytester: pytest.Pytester):
+    pytester.makefile(".toml", thresholds=VALID.replace('name = "fp8"', 'name = "fp8"\nmodel = "./ckpt/fp8"'))
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    local = pytester.path.resolve() / "ckpt" / "fp8"
+    assert result.stderr.lines[0] == f"ERROR: thresholds.toml: candidates[0].model: local path not found: {local}"
+
+
+def test_missing_config_given_on_the_command_line(pytester: pytest.Pytester):
+    result = pytester.runpytest("--fp8gate-config", "gate/missing.toml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.stderr.lines[0] == "ERROR: gate/missing.toml: file not found"
+
+
+STASH_PROBE = """
+from pytest_fp8gate.options import CONFIG_KEY, SETTINGS_KEY
+
+def test_stash(request):
+    gate = request.config.stash[CONFIG_KEY]
+    settings = request.config.stash[SETTINGS_KEY]
+    print("GATE", None if gate is None else (gate.path.name, gate.baseline.name, gate.candidates[0].name))
+    print("ARTIFACTS", settings.artifacts)
+"""
+
+
+def test_config_found_in_rootdir_is_stashed(pytester: pytest.Pytester, no_gpu):
+    pytester.makefile(".toml", thresholds=VALID)
+    pytester.makepyfile(STASH_PROBE)
+    result = pytester.runpytest("-s")
+    result.stdout.fnmatch_lines(["*GATE ('thresholds.toml', 'bf16', 'fp8')", "ARTIFACTS None"])
+    result.assert_outcomes(passed=1)
+
+
+def test_config_and_artifacts_from_the_command_line(pytester: pytest.Pytester, no_gpu):
+    (pytester.path / "gates").mkdir()
+    (pytester.path / "gates" / "llama.toml").write_text(VALID)
+    pytester.makepyfile(STASH_PROBE)
+    result = pytester.runpytest("-s", "--fp8gate-config", "gates/llama.toml", "--fp8gate-artifacts", "out")
+    artifacts = pytester.path.resolve() / "out"
+    result.stdout.fnmatch_lines(["*GATE ('llama.toml', 'bf16', 'fp8')", f"ARTIFACTS {artifacts}"])
+
+
+def test_ini_paths_are_relative_to_the_ini_file(pytester: pytest.Pytester, no_gpu):
+    (pytester.path / "ci").mkdir()
+    (pytester.path / "ci" / "gate.toml").write_text(VALID)
+    (pytester.path / "ci" / "pytest.ini").write_text(
+        "[pytest]\nfp8gate_config = gate.toml\nfp8gate_artifacts = ../artifacts\n"
+    )
+    pytester.makepyfile(STASH_PROBE)
+    result = pytester.runpytest("-s", "-c", "ci/pytest.ini", "--rootdir", str(pytester.path))
+    artifacts = pytester.path.resolve() / "artifacts"
+    result.stdout.fnmatch_lines(["*GATE ('gate.toml', 'bf16', 'fp8')", f"ARTIFACTS {artifacts}"])
+
+
+def test_no_config_means_nothing_is_stashed(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
+    def must_not_probe():
+        raise AssertionError("GPU probe without a gate")
+
+    monkeypatch.setattr(hardware, "probe_cuda", must_not_probe)
+    pytester.makepyfile(STASH_PROBE)
+    result = pytester.runpytest("-s")
+    result.stdout.fnmatch_lines(
+        ["fp8gate: no thresholds file (--fp8gate-config, or thresholds.toml in rootdir)", "*GATE None"]
+    )
+    result.assert_outcomes(passed=1)
+
+
+def test_report_header(pytester: pytest.Pytester, fake_gpus):
+    fake_gpus("NVIDIA L40S")
+    pytester.makefile(".toml", thresholds=VALID)
+    result = pytester.runpytest("--fp8gate-require-gpu")
+    result.stdout.fnmatch_lines(
+        [
+            "fp8gate: thresholds.toml: bf16 vs fp8",
+            "fp8gate GPUs: NVIDIA L40S (faked by the test; required)",
+        ]
+    )
+
+
+def test_plugin_can_be_disabled(pytester: pytest.Pytester):
+    pytester.makefile(".toml", thresholds="[baseline\n")
+    pytester.makepyfile("def test_x(): pass")
+    pytester.runpytest("-p", "no:fp8gate").assert_outcomes(passed=1)
+
+
+def test_real_probe_is_consistent():
+    # Whatever this machine has, the public list and the probe agree.
+    probe = hardware.probe_cuda()
+    assert hardware.cuda_device_names() == list(probe.names)
+    assert probe.source
