@@ -1,0 +1,61 @@
+"""Write files so that readers see either the old content or the complete new one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import IO
+
+__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_text"]
+
+
+def _file_mode() -> int:
+    # Reading the umask means setting it; doing that once at import keeps the
+    # window in which other threads see a borrowed umask as small as possible.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+# mkstemp creates 0600 files; the result gets the permissions open() would give.
+_FILE_MODE = _file_mode()
+
+
+@contextlib.contextmanager
+def atomic_open(
+    path: str | os.PathLike[str], mode: str = "wb", encoding: str | None = None
+) -> Iterator[IO]:
+    """Open a temporary file next to ``path``; on success it replaces ``path``.
+
+    The temporary file lives in the same directory so os.replace is a rename
+    on one filesystem. If the body raises, the temporary file is removed and
+    ``path`` is left untouched.
+    """
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_open supports modes 'w' and 'wb', not {mode!r}")
+    target = os.fspath(path)
+    directory, name = os.path.split(os.path.abspath(target))
+    fd, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, mode, encoding=encoding if mode == "w" else None) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp, _FILE_MODE)
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    with atomic_open(path, "wb") as handle:
+        handle.write(data)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
+    with atomic_open(path, "w", encoding=encoding) as handle:
+        handle.write(text)

@@ -1,0 +1,217 @@
+"""The ``fp8gate`` command line.
+
+Every subcommand is registered by one ``_add_<name>(subparsers)`` function listed
+in ``_COMMANDS``. An ``_add_`` function builds its parser (calling
+``_output_options`` for ``--json``) and sets ``run`` to a function taking the
+parsed arguments and returning the exit status; ``emit`` prints its result.
+Raising CommandError (or DumpFormatError, or OSError for unreadable files)
+prints one ``fp8gate: error: ...`` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from .dumps import DumpFormatError, read_lm_eval_samples, read_logprob_dump
+from .statistics import ComparisonError, compare_answers, compare_logprobs
+
+__all__ = ["CommandError", "build_parser", "emit", "main"]
+
+EXIT_ERROR = 2
+
+
+class CommandError(Exception):
+    """A user-facing failure; the message should start with the file it concerns."""
+
+
+def _output_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="Print JSON instead of a table")
+
+
+def emit(
+    args: argparse.Namespace, payload: Mapping[str, Any], rows: Iterable[tuple[str, str]]
+) -> None:
+    """Print ``payload`` as JSON under --json, else ``rows`` as an aligned table."""
+    if args.json:
+        print(json.dumps(payload, indent=2))
+        return
+    rows = list(rows)
+    width = max((len(label) for label, _ in rows), default=0)
+    for label, value in rows:
+        print(f"{label:<{width}}  {value}".rstrip())
+
+
+def _pct(fraction: float, digits: int = 3) -> str:
+    return f"{100 * fraction:.{digits}f}%"
+
+
+def _add_compare_logprobs(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "compare-logprobs",
+        help="Compare two log-prob dumps of the same text",
+        description=(
+            "Compare a candidate's log-prob dump with the baseline's on the same "
+            "tokens: same top token, delta-p, perplexity ratio and KL divergence. "
+            "Reads the article's JSON dumps or fp8gate .npz dumps."
+        ),
+    )
+    parser.add_argument("base", help="Baseline dump (e.g. the BF16 run)")
+    parser.add_argument("cand", help="Candidate dump (e.g. the FP8 run)")
+    _output_options(parser)
+    parser.set_defaults(run=_run_compare_logprobs)
+
+
+def _run_compare_logprobs(args: argparse.Namespace) -> int:
+    base = read_logprob_dump(args.base)
+    cand = read_logprob_dump(args.cand)
+    try:
+        result = compare_logprobs(base, cand)
+    except ComparisonError as err:
+        raise CommandError(f"{args.cand}: {err} (baseline {args.base})") from err
+    rows = [
+        ("positions", str(result.positions)),
+        ("same top token", f"{_pct(result.same_top)} ± {_pct(result.same_top_se)}"),
+        ("mean Δp", f"{_pct(result.mean_dp)} ± {_pct(result.mean_dp_se)}"),
+        ("RMS Δp", _pct(result.rms_dp)),
+        ("PPL ratio", f"{result.ppl_ratio:.6f}"),
+        ("ln PPL ratio", f"{result.ln_ppl_ratio:.6f} ± {result.ln_ppl_ratio_se:.6f}"),
+    ]
+    if result.mean_kl is None or result.kl_percentiles is None:
+        rows.append(("KL divergence", result.kl_kind))
+    else:
+        rows.append(
+            ("KL divergence", f"{result.mean_kl:.6f} ± {result.kl_se:.6f} ({result.kl_kind})")
+        )
+        rows += [(f"KL {label}", f"{value:.6f}") for label, value in result.kl_percentiles.items()]
+    rows += [(f"Δp {label}", _pct(value)) for label, value in result.dp_percentiles.items()]
+    emit(args, result.as_dict(), rows)
+    return 0
+
+
+def _add_flips(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "flips",
+        help="Count answers that flipped between two lm-eval runs",
+        description=(
+            "Pair two lm-eval --log_samples files question by question and count "
+            "answers that went right-to-wrong or wrong-to-right."
+        ),
+    )
+    parser.add_argument("base", help="Baseline samples JSONL")
+    parser.add_argument("cand", help="Candidate samples JSONL")
+    parser.add_argument(
+        "--filter", default="strict-match", help="lm-eval filter to compare (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--metric", default=None, help="0/1 metric to read (default: first in each row's metrics)"
+    )
+    _output_options(parser)
+    parser.set_defaults(run=_run_flips)
+
+
+def _run_flips(args: argparse.Namespace) -> int:
+    base = read_lm_eval_samples(args.base, args.filter, args.metric)
+    cand = read_lm_eval_samples(args.cand, args.filter, args.metric)
+    try:
+        result = compare_answers(base, cand)
+    except ComparisonError as err:
+        raise CommandError(f"{args.cand}: {err} (baseline {args.base})") from err
+    rows = [
+        ("questions", str(result.questions)),
+        ("flips", f"{result.flips} ({_pct(result.flip_rate, 1)})"),
+        ("right → wrong", str(result.right_to_wrong)),
+        ("wrong → right", str(result.wrong_to_right)),
+        ("accuracy baseline", f"{_pct(result.accuracy_base)} ± {_pct(result.se_base)}"),
+        ("accuracy candidate", f"{_pct(result.accuracy_cand)} ± {_pct(result.se_cand)}"),
+        ("McNemar exact p", f"{result.mcnemar_p:.4g}"),
+    ]
+    rows += [
+        (f"doc {f.doc_id}", f"{f.direction}: {f.base_response!r} -> {f.cand_response!r}")
+        for f in result.flipped
+    ]
+    emit(args, result.as_dict(), rows)
+    return 0
+
+
+def _add_roofline(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "roofline",
+        help="Decode-speed ceiling from memory bandwidth",
+        description=(
+            "Estimate bytes read per decoded token from a model's config and the "
+            "tokens/s ceiling that memory bandwidth allows."
+        ),
+    )
+    parser.add_argument("path", help="Model directory or its config.json")
+    parser.add_argument(
+        "--quantization", default=None, help="Quantization name, e.g. fp8_per_channel"
+    )
+    bandwidth = parser.add_mutually_exclusive_group()
+    bandwidth.add_argument("--gpu", default=None, help="Known GPU name, e.g. L40S")
+    bandwidth.add_argument(
+        "--bandwidth-gbps", type=float, default=None, help="Memory bandwidth in GB/s"
+    )
+    parser.add_argument(
+        "--context", type=int, default=0, help="Context tokens whose KV cache is read per token"
+    )
+    _output_options(parser)
+    parser.set_defaults(run=_run_roofline)
+
+
+def _run_roofline(args: argparse.Namespace) -> int:
+    from . import roofline  # imported here so the other commands work without it
+
+    try:
+        estimate = roofline.estimate_from_path(
+            args.path,
+            quantization=args.quantization,
+            gpu=args.gpu,
+            bandwidth_gbps=args.bandwidth_gbps,
+            context_tokens=args.context,
+        )
+    except (ValueError, KeyError) as err:
+        raise CommandError(f"{args.path}: {err}") from err
+    payload = estimate.as_dict()
+    emit(args, payload, [(key, _plain(value)) for key, value in payload.items()])
+    return 0
+
+
+def _plain(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+_COMMANDS: list[Callable[[Any], None]] = [
+    _add_compare_logprobs,
+    _add_flips,
+    _add_roofline,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fp8gate", description="Gate a quantized LLM build against its BF16 original."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in _COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (CommandError, DumpFormatError) as err:
+        message = str(err)
+    except OSError as err:
+        message = f"{err.filename}: {err.strerror}" if err.filename else str(err)
+    print(f"fp8gate: error: {message}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

