@@ -45,14 +45,15 @@ def synthetic_pair(n: int, seed: int) -> tuple[LogprobRun, LogprobRun]:
     return run(logits), run(logits + rng.normal(scale=0.05, size=logits.shape))
 
 
-def python_loop(base: LogprobRun, cand: LogprobRun, n: int) -> dict[str, float]:
-    """The same numbers, one position at a time, with dicts instead of arrays."""
+def as_lists(run: LogprobRun, n: int) -> tuple[list, list, list]:
+    return run.real_logprob[:n].tolist(), run.top_ids[:n].tolist(), run.top_logprobs[:n].tolist()
+
+
+def python_loop(base: tuple[list, list, list], cand: tuple[list, list, list]) -> dict[str, float]:
+    """The same numbers, one position at a time, on plain lists and dicts."""
     same = sq_dp = sum_dp = ln_ratio = kl_sum = 0.0
     eps_floor = K * 2.220446049250313e-16
-    for i in range(n):
-        b_ids, c_ids = base.top_ids[i].tolist(), cand.top_ids[i].tolist()
-        b_lp, c_lp = base.top_logprobs[i].tolist(), cand.top_logprobs[i].tolist()
-        b_real, c_real = float(base.real_logprob[i]), float(cand.real_logprob[i])
+    for b_real, b_ids, b_lp, c_real, c_ids, c_lp in zip(*base, *cand):
         same += b_ids[0] == c_ids[0]
         dp = math.exp(c_real) - math.exp(b_real)
         sum_dp += dp
@@ -72,6 +73,7 @@ def python_loop(base: LogprobRun, cand: LogprobRun, n: int) -> dict[str, float]:
         if p_rest > 0:
             kl += p_rest * math.log(p_rest / q_rest)
         kl_sum += max(kl, 0.0)
+    n = len(base[0])
     return {
         "same_top": same / n,
         "mean_dp": sum_dp / n,
@@ -81,13 +83,14 @@ def python_loop(base: LogprobRun, cand: LogprobRun, n: int) -> dict[str, float]:
     }
 
 
-def best_of(repeats: int, fn) -> float:
+def best_of(repeats: int, fn):
+    """Best wall time of ``repeats`` calls, and the last call's result."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        result = fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return min(times), result
 
 
 def head(run: LogprobRun, n: int) -> LogprobRun:
@@ -103,20 +106,23 @@ def main() -> None:
     n, sub = args.positions, min(args.subsample, args.positions)
 
     base, cand = synthetic_pair(n, args.seed)
-    numpy_s = best_of(3, lambda: compare_logprobs(base, cand))
+    load = os.getloadavg()[0]  # other work on the machine slows both timings
+    numpy_s, result = best_of(3, lambda: compare_logprobs(base, cand))
 
     # Check both implementations agree before comparing their speed.
-    sub_base, sub_cand = head(base, sub), head(cand, sub)
-    vectorised = compare_logprobs(sub_base, sub_cand).as_dict()
+    sub_base, sub_cand = as_lists(base, sub), as_lists(cand, sub)
     start = time.perf_counter()
-    looped = python_loop(sub_base, sub_cand, sub)
+    looped = python_loop(sub_base, sub_cand)
     python_sub_s = time.perf_counter() - start
+    vectorised = compare_logprobs(head(base, sub), head(cand, sub)).as_dict()
     for key, value in looped.items():
         assert math.isclose(vectorised[key], value, rel_tol=1e-9, abs_tol=1e-12), key
     python_s = python_sub_s * n / sub
 
-    result = compare_logprobs(base, cand)
-    print(f"compare_logprobs: {n:,} positions x top-{K}, seed {args.seed}, {os.cpu_count()} CPUs")
+    print(
+        f"compare_logprobs: {n:,} positions x top-{K}, seed {args.seed}, "
+        f"{os.cpu_count()} CPUs, load average {load:.2f} before the run"
+    )
     print(f"  same_top {result.same_top:.5f}  rms_dp {result.rms_dp:.5f}  "
           f"ppl_ratio {result.ppl_ratio:.6f}  mean_kl {result.mean_kl:.6f} ({result.kl_kind})")
     print(f"  {'numpy, best of 3':<44} {numpy_s:8.3f} s")

@@ -173,8 +173,8 @@ def _run_roofline(args: argparse.Namespace) -> int:
             bandwidth_gbps=args.bandwidth_gbps,
             context_tokens=args.context,
         )
-    except (ValueError, KeyError) as err:
-        raise CommandError(f"{args.path}: {err}") from err
+    except ValueError as err:  # roofline's errors name the file at fault themselves
+        raise CommandError(str(err)) from err
     payload = estimate.as_dict()
     emit(args, payload, [(key, _plain(value)) for key, value in payload.items()])
     return 0

@@ -80,41 +80,35 @@ def read_logprob_metadata(path: PathLike) -> dict[str, Any]:
     """The metadata stored in an fp8gate dump; {} for the article's JSON format."""
     if not _is_npz(path):
         return {}
-    with _open_npz(path) as archive:
-        if "metadata" not in archive.files:
-            return {}
-        try:
-            metadata = json.loads(archive["metadata"].item())
-        except (ValueError, TypeError) as err:
-            raise DumpFormatError(path, f"metadata as a JSON object string ({err})") from err
+    stored = _load_npz(path, ("metadata",)).get("metadata")
+    if stored is None:
+        return {}
+    try:
+        metadata = json.loads(stored.item())
+    except (ValueError, TypeError):
+        metadata = None
     if not isinstance(metadata, dict):
         raise DumpFormatError(path, "metadata as a JSON object string")
     return metadata
 
 
-def _open_npz(path: PathLike) -> Any:
+def _load_npz(path: PathLike, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """The named arrays that the archive holds (members load lazily, so only those)."""
     try:
-        return np.load(path, allow_pickle=False)
-    except (ValueError, zipfile.BadZipFile, EOFError) as err:
+        with np.load(path, allow_pickle=False) as archive:
+            return {name: archive[name] for name in names if name in archive.files}
+    except (ValueError, EOFError, zipfile.BadZipFile) as err:
         raise DumpFormatError(path, f"{_NPZ_FORMAT} ({err})") from err
 
 
 def _read_npz(path: PathLike) -> LogprobRun:
-    with _open_npz(path) as archive:
-        missing = [name for name in _REQUIRED_ARRAYS if name not in archive.files]
-        if missing:
-            raise DumpFormatError(path, f"{_NPZ_FORMAT}; missing {', '.join(missing)}")
-        try:
-            arrays = {
-                name: archive[name]
-                for name in _REQUIRED_ARRAYS + _OPTIONAL_ARRAYS
-                if name in archive.files
-            }
-        except (ValueError, zipfile.BadZipFile, EOFError) as err:
-            raise DumpFormatError(path, f"{_NPZ_FORMAT} ({err})") from err
+    arrays = _load_npz(path, _REQUIRED_ARRAYS + _OPTIONAL_ARRAYS)
+    missing = [name for name in _REQUIRED_ARRAYS if name not in arrays]
+    if missing:
+        raise DumpFormatError(path, f"{_NPZ_FORMAT}; missing {', '.join(missing)}")
     try:
         return LogprobRun(**arrays)
-    except (ValueError, TypeError) as err:
+    except ValueError as err:
         raise DumpFormatError(path, f"{_NPZ_FORMAT} with consistent shapes ({err})") from err
 
 

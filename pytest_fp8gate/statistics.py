@@ -315,9 +315,11 @@ def _lookup_on_base_ids(
         np.equal(base_t, cand_t[column], out=match)
         np.multiply(match, width.type(column + 1), out=weighted)
         np.maximum(slot, weighted, out=slot)
-    # Row 0 of the table is NaN, so slot 0 reads back as "unknown".
-    table = np.vstack([np.full((1, block), np.nan), cand_lp.T])
-    return table.ravel().take(slot.astype(np.intp) * block + np.arange(block))
+    # Flat index of (position i, column slot - 1) in the row-major [block, k] input.
+    flat = slot + (np.arange(block) * k_cand - 1)
+    found = cand_lp.ravel().take(flat, mode="clip")  # clip: slot 0 of position 0
+    found[slot == 0] = np.nan
+    return found
 
 
 def _partition_kl(lp: np.ndarray, lq: np.ndarray) -> np.ndarray:

@@ -248,10 +248,12 @@ def test_roofline_wires_arguments_to_estimate_from_path(capsys, fake_roofline, t
     assert "ceiling_tok_s    107.6" in out
 
 
-def test_roofline_errors_name_the_path(capsys, fake_roofline):
+def test_roofline_errors_are_one_line(capsys, fake_roofline):
     def estimate_from_path(path, **kwargs):
-        raise ValueError("expected a config.json with hidden_size")
+        raise ValueError(f"{path}: not found (expected a model directory or its config.json)")
 
     fake_roofline(estimate_from_path)
     err = one_line_error(capsys, "roofline", "model_dir")
-    assert err == "fp8gate: error: model_dir: expected a config.json with hidden_size"
+    assert err == (
+        "fp8gate: error: model_dir: not found (expected a model directory or its config.json)"
+    )

@@ -230,3 +230,10 @@ def test_malformed_lm_eval_samples(tmp_path, lines, kwargs, expected):
     with pytest.raises(DumpFormatError, match=expected) as info:
         read_lm_eval_samples(path, **kwargs)
     assert str(info.value).startswith(f"{path}: ")
+
+
+def test_npz_metadata_that_is_not_a_json_object(tmp_path):
+    path = tmp_path / "odd.npz"
+    np.savez(path, real_logprob=np.zeros(1), metadata=np.array("[1, 2]"))
+    with pytest.raises(DumpFormatError, match="odd.npz: metadata as a JSON object string"):
+        read_logprob_metadata(path)
