@@ -135,6 +135,8 @@ class LogprobRun:
 class LogprobComparison:
     """Candidate vs baseline on the same tokens; fractions, not percentages.
 
+    ``same_top_se`` is the binomial sqrt(p(1-p)/N); the other ``*_se`` fields are
+    standard errors of a mean (sample SD / sqrt(N)), as llama.cpp reports them.
     ``kl_kind`` is "exact" (both full distributions), "top-k lower bound" or
     "unavailable" (then the KL fields are None).
     """
