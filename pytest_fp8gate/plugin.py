@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from . import hardware, options
+from . import fixtures, hardware, options, report
+from .cases import needs_of
+from .collect import ThresholdsFile
 from .config import ConfigError, load_config
+from .fixtures import NEEDS_KEY, VERDICTS_KEY
 from .options import CONFIG_KEY, SETTINGS_KEY
 
 
@@ -19,6 +24,8 @@ def pytest_configure(config: pytest.Config) -> None:
     settings = options.read_settings(config)
     config.stash[SETTINGS_KEY] = settings
     config.stash[CONFIG_KEY] = None
+    config.pluginmanager.register(fixtures, "fp8gate-fixtures")
+    config.pluginmanager.register(report.JsonReportMetadata(), "fp8gate-json-report")
     # `pytest --help` must keep working while the thresholds file is broken.
     if settings.config_path is None or config.getoption("help", False):
         return
@@ -28,7 +35,23 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(err)) from None
 
 
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    gate = parent.config.stash.get(CONFIG_KEY, None)
+    if gate is not None and file_path == gate.path:
+        return ThresholdsFile.from_parent(parent, path=file_path)
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _skip_gpu_items_without_gpu(config, items)
+    # Only the selected, runnable rule cases decide what each engine measures.
+    cases = [item.callspec.params["case"] for item in items
+             if isinstance(item, pytest.Function) and isinstance(item.parent, ThresholdsFile)
+             and not item.get_closest_marker("skip")]
+    config.stash[NEEDS_KEY] = needs_of(cases)
+
+
+def _skip_gpu_items_without_gpu(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A skip mark (not pytest.skip in setup) reports the skip at the test's own location.
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items or config.stash[SETTINGS_KEY].require_gpu:
@@ -66,3 +89,11 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         required = "; required" if settings.require_gpu else ""
         lines.append(f"fp8gate GPUs: {', '.join(probe.names) or 'none visible'} ({probe.source}{required})")
     return lines
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    verdicts = config.stash.get(VERDICTS_KEY, [])
+    if verdicts:
+        terminalreporter.write_sep("=", "fp8gate summary")
+        for line in report.summary_lines(verdicts):
+            terminalreporter.write_line(line)

@@ -1,0 +1,56 @@
+"""The probability check's text: load it, tokenize it once, cut it into chunks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .config import DatasetCorpus, FileCorpus, ProbabilitySpec
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+UNKNOWN_VOCAB = 1 << 30  # a model whose config is not at hand is treated as large
+
+
+class CorpusError(Exception):
+    """The corpus cannot provide the chunks the thresholds file asks for."""
+
+
+def load_text(corpus: DatasetCorpus | FileCorpus) -> str:
+    if isinstance(corpus, FileCorpus):
+        return corpus.path.read_text(encoding="utf-8")
+    import datasets  # only on runners that fetch the corpus
+
+    rows = datasets.load_dataset(corpus.dataset, corpus.name, split=corpus.split)
+    # wikitext rows keep their own newlines, so plain concatenation restores the raw file.
+    return "".join(rows[corpus.column])
+
+
+def chunk_corpus(engine: "Engine", spec: ProbabilitySpec, config_path: Path) -> list[list[int]]:
+    """``spec.chunks`` chunks of ``spec.chunk_tokens`` tokens, each starting with BOS.
+
+    Every chunk is scored on its own, so each gets the BOS a fresh prompt has.
+    Fewer chunks are used when the text is shorter; none at all is an error.
+    """
+    ids = engine.encode(load_text(spec.corpus), add_bos=False)
+    bos = engine.tokenizer.bos_token_id
+    prefix = [] if bos is None else [bos]
+    body = spec.chunk_tokens - len(prefix)
+    count = min(spec.chunks, len(ids) // body)
+    if count == 0:
+        raise CorpusError(
+            f"{config_path}: probabilities.corpus: {len(ids)} tokens, fewer than one chunk of "
+            f"{spec.chunk_tokens} (probabilities.chunk_tokens)"
+        )
+    return [prefix + ids[i * body:(i + 1) * body] for i in range(count)]
+
+
+def vocab_size_hint(model: str) -> int:
+    """The vocabulary size from a local checkpoint's config.json, before any engine starts."""
+    config = Path(model) / "config.json"
+    if config.is_file():
+        raw = json.loads(config.read_text())
+        return int(raw.get("vocab_size") or raw.get("text_config", {}).get("vocab_size") or UNKNOWN_VOCAB)
+    return UNKNOWN_VOCAB

