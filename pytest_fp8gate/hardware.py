@@ -92,6 +92,8 @@ def _torch_names() -> tuple[tuple[str, ...], str]:
         import torch
     except ImportError:
         return (), "torch not installed"
+    except Exception as err:  # a broken torch build must not break collection; no GPU is usable then
+        return (), f"importing torch failed: {err}"
     try:
         count = torch.cuda.device_count()  # does not create a CUDA context
         # Reading names does create one; by now nvidia-smi could not tell us.

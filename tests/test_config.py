@@ -201,7 +201,7 @@ BAD_INPUTS = {
     ),
     "unknown section": (
         MINIMAL + "[extra]\n",
-        "extra: unknown key; expected one of: baseline, candidates, noise, probabilities, speed, tasks",
+        "extra: unknown key; expected one of: baseline, candidates, device, noise, probabilities, speed, tasks",
     ),
     "misspelled array of tables": (
         MINIMAL + '[[candidate]]\nname = "x"\n',
