@@ -1,0 +1,92 @@
+"""The rule tests a thresholds file produces: ids, marks and what each engine must measure."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_fp8gate.cases import needs_of
+from pytest_fp8gate.gate import Case
+from pytest_fp8gate.measure import Needs
+
+CONFIG = """
+device = "{device}"
+[baseline]
+name = "bf16"
+model = "org/model"
+[[candidates]]
+name = "fp8-dynamic"
+model = "org/model-fp8"
+[[candidates]]
+name = "fp8-online"
+quantization = "fp8_per_channel"
+[probabilities]
+corpus = "corpus.txt"
+[probabilities.limits]
+min_same_top = 0.97674
+max_mean_kl = 0.001355
+[[tasks]]
+name = "gsm8k"
+task = "gsm8k"
+filter = "strict-match"
+metric = "exact_match"
+[speed]
+{speed}
+"""
+
+
+def _write(pytester: pytest.Pytester, device: str = "cuda", speed: str = "") -> None:
+    pytester.makefile(".txt", corpus="some text")
+    pytester.makefile(".toml", thresholds=CONFIG.format(device=device, speed=speed))
+
+
+def test_rule_ids_are_read_from_the_thresholds_file(pytester: pytest.Pytester) -> None:
+    _write(pytester)
+    result = pytester.runpytest("--collect-only", "-q", "thresholds.toml")
+    result.stdout.fnmatch_lines([
+        "thresholds.toml::test_accuracy_within_se[fp8-dynamic-gsm8k]",
+        "thresholds.toml::test_accuracy_within_se[fp8-online-gsm8k]",
+        "thresholds.toml::test_flips_within_noise_floor[fp8-dynamic-gsm8k]",
+        "thresholds.toml::test_flips_within_noise_floor[fp8-online-gsm8k]",
+        "thresholds.toml::test_same_top_near_baseline[fp8-dynamic]",
+        "thresholds.toml::test_same_top_near_baseline[fp8-online]",
+        "thresholds.toml::test_kl_within_limit[fp8-dynamic]",
+        "thresholds.toml::test_kl_within_limit[fp8-online]",
+        "thresholds.toml::test_decode_speed_near_ceiling[fp8-dynamic]",
+        "thresholds.toml::test_decode_speed_near_ceiling[fp8-online]",
+        "10 tests collected*",
+    ])
+    # Limits that are not configured produce no test at all, not an empty skip.
+    assert "rms_dp" not in result.stdout.str() and "ppl_ratio" not in result.stdout.str()
+
+
+def test_cuda_rules_are_marked_gpu_and_skip_without_one(pytester: pytest.Pytester) -> None:
+    _write(pytester)
+    selected = pytester.runpytest("--collect-only", "-q", "-m", "gpu and fp8gate", "thresholds.toml")
+    selected.stdout.fnmatch_lines(["10 tests collected*"])
+    ran = pytester.runpytest("-m", "gpu", "thresholds.toml", "-rs")
+    ran.assert_outcomes(skipped=10)
+    ran.stdout.fnmatch_lines(["*no CUDA device visible*"])
+
+
+def test_require_gpu_turns_the_skips_into_errors(pytester: pytest.Pytester) -> None:
+    _write(pytester)
+    result = pytester.runpytest("thresholds.toml", "--fp8gate-require-gpu", "-k", "kl_within")
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines(["*must never pass by skipping*"])
+
+
+def test_cpu_config_is_not_marked_gpu_and_speed_skips_without_bandwidth(pytester: pytest.Pytester) -> None:
+    _write(pytester, device="cpu")
+    result = pytester.runpytest("--collect-only", "-q", "-m", "gpu", "thresholds.toml")
+    result.stdout.fnmatch_lines(["*no tests collected (10 deselected)*"])
+    speed = pytester.runpytest("-k", "decode_speed", "thresholds.toml", "-rs")
+    speed.assert_outcomes(skipped=2)
+    speed.stdout.fnmatch_lines(["*no memory-bandwidth figure for the CPU engine*"])
+
+
+def test_needs_follow_the_selected_cases() -> None:
+    cases = [Case("same_top", "a"), Case("flips", "a", "gsm8k"), Case("speed", "b")]
+    assert needs_of(cases) == {
+        "a": Needs(probabilities=True, tasks=frozenset({"gsm8k"})),
+        "b": Needs(speed=True),
+    }
