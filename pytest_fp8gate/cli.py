@@ -184,10 +184,17 @@ def _plain(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
+def _add_demo(subparsers: Any) -> None:
+    from .demo_run import add_demo_command
+
+    add_demo_command(subparsers)
+
+
 _COMMANDS: list[Callable[[Any], None]] = [
     _add_compare_logprobs,
     _add_flips,
     _add_roofline,
+    _add_demo,
 ]
 
 
