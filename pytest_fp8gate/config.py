@@ -540,7 +540,8 @@ class _Parser:
         """Fail now, not after an engine start, when a check's sequences exceed max_model_len."""
         needs = []
         if config.probabilities:
-            needs.append(("probabilities.chunk_tokens", config.probabilities.chunk_tokens, ""))
+            # vLLM scores a prompt only while generating at least one token after it.
+            needs.append(("probabilities.chunk_tokens", config.probabilities.chunk_tokens + 1, " (chunk_tokens + 1)"))
         if config.speed:
             tokens = config.speed.input_len + config.speed.output_len
             needs.append(("speed.output_len", tokens, " (input_len + output_len)"))

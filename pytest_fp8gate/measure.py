@@ -34,6 +34,10 @@ PASS_DESCRIPTIONS = {
 }
 
 
+class MeasurementError(Exception):
+    """A model's measurement failed before; its engine is not started again."""
+
+
 @dataclass(frozen=True)
 class Needs:
     """What the collected rules ask of one model."""
@@ -89,12 +93,13 @@ class Measurements:
         self._candidates: dict[str, ModelResult] = {}
         self._chunks: list[list[int]] = []
         self._task_manager: Any = None
+        self._failures: dict[str, BaseException] = {}
 
     # ---- public ------------------------------------------------------------
 
     def baseline(self) -> ModelResult:
         if self._baseline is None:
-            self._measure_baseline()
+            self._once(self.config.baseline.name, self._measure_baseline)
         assert self._baseline is not None
         return self._baseline
 
@@ -106,8 +111,20 @@ class Measurements:
         if name not in self._candidates:
             self.baseline()
             spec = next(c for c in self.config.candidates if c.name == name)
-            self._candidates[name] = self._measure_model(spec, self.needs.get(name, Needs()))
+            self._once(name, lambda: self._candidates.__setitem__(
+                name, self._measure_model(spec, self.needs.get(name, Needs()))))
         return self._candidates[name]
+
+    def _once(self, name: str, measure: Callable[[], None]) -> None:
+        """Measure a model at most once: a failure is re-raised to every later rule, never retried."""
+        if name in self._failures:
+            raise MeasurementError(f"measuring {name} failed earlier in this session: "
+                                   f"{type(self._failures[name]).__name__}: {self._failures[name]}")
+        try:
+            measure()
+        except Exception as err:
+            self._failures[name] = err
+            raise
 
     # ---- engines -----------------------------------------------------------
 
