@@ -90,3 +90,21 @@ def test_needs_follow_the_selected_cases() -> None:
         "a": Needs(probabilities=True, tasks=frozenset({"gsm8k"})),
         "b": Needs(speed=True),
     }
+
+
+def test_users_own_tests_get_the_gate_fixtures(pytester: pytest.Pytester) -> None:
+    _write(pytester)
+    pytester.makepyfile(test_mine="""
+        def test_my_prompts(fp8gate_config, fp8gate):
+            assert [c.name for c in fp8gate_config.candidates] == ["fp8-dynamic", "fp8-online"]
+            assert fp8gate.gate.config is fp8gate_config
+            assert fp8gate.artifacts.is_dir()
+    """)
+    pytester.runpytest("test_mine.py").assert_outcomes(passed=1)
+
+
+def test_without_a_thresholds_file_the_fixture_skips(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_mine="def test_x(fp8gate_config):\n    pass\n")
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*no fp8gate thresholds file*"])
