@@ -203,9 +203,10 @@ class Measurements:
         directory = self.artifacts / spec.name / label
         directory.mkdir(parents=True, exist_ok=True)
         result = PassResult(label)
-        started = time.perf_counter()
+        timings = []
         if needs.probabilities and self._chunks:
             assert self.config.probabilities is not None
+            started = time.perf_counter()
             run = engine.prompt_logprobs(
                 self._chunks, self.config.probabilities.top_k, self._full_vocab_wanted(),
                 batch_size=batch_size, reverse=reverse,
@@ -214,10 +215,13 @@ class Measurements:
             write_logprob_dump(result.logprobs_path, run, {"model": spec.model, "name": spec.name, "pass": label,
                                                            "quantization": spec.quantization})
             result.logprobs = read_logprob_dump(result.logprobs_path)
+            timings.append(f"logprobs {time.perf_counter() - started:.1f} s")
         for task in self.config.tasks:
             if task.name in needs.tasks:
+                started = time.perf_counter()
                 result.samples[task.name] = self._run_task(engine, task, directory, batch_size, reverse)
-        self.announce(f"fp8gate: measured {spec.name} [{label}] in {time.perf_counter() - started:.1f} s")
+                timings.append(f"{task.name} {time.perf_counter() - started:.1f} s")
+        self.announce(f"fp8gate: measured {spec.name} [{label}]: {', '.join(timings) or 'nothing needed'}")
         return result
 
     # ---- lm-eval -----------------------------------------------------------
@@ -257,7 +261,10 @@ class Measurements:
             from lm_eval.tasks import TaskManager
 
             paths = [str(t.include_path) for t in self.config.tasks if t.include_path is not None]
-            self._task_manager = TaskManager(include_path=paths or None)
+            # Indexing lm-eval's thousands of built-in task files takes minutes on a small
+            # CPU; skip it when every task names the directory it lives in.
+            builtin_needed = any(t.include_path is None for t in self.config.tasks)
+            self._task_manager = TaskManager(include_path=paths or None, include_defaults=builtin_needed)
         return self._task_manager
 
     def _write_engine_facts(self, name: str, result: ModelResult) -> None:
