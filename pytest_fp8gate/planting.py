@@ -1,0 +1,209 @@
+"""Planted regressions: BF16 checkpoints whose linear weights went through a broken FP8 round trip.
+
+A plant is what a faulty FP8 conversion would serve, written back as an
+ordinary BF16 checkpoint so any engine loads it without quantization support.
+Like vLLM's online quantization, only the q/k/v/o/gate/up/down projections are
+touched; embeddings, norms and lm_head stay as they were. Each weight matrix W
+becomes ``e4m3(W / s) * s`` for a per-tensor scale ``s`` that is wrong on
+purpose (see ``PLANT_KINDS``).
+
+Plants are written on demand and atomically: the checkpoint is built in a
+temporary sibling directory, a marker naming the recipe and a hash of the
+source weights is written last, and the directory is renamed into place. An
+existing directory is reused only when its marker matches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MARKER", "PLANT_KINDS", "plant"]
+
+MARKER = ".fp8gate-plant.json"
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+E4M3_MIN_NORMAL = 2.0**-6  # smallest normal float8_e4m3fn magnitude
+_LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    summary: str
+    # None: no scale at all (s = 1). Otherwise s = stretch * absmax / 448, i.e.
+    # the scale a per-tensor quantizer picks when one weight is `stretch` times
+    # the matrix's absmax; stretch = 1 is a correct per-tensor scale.
+    stretch: float | None
+    # The stretching weight is the matrix's largest one; its original value is
+    # put back after the round trip, so only the other weights' precision loss
+    # remains (an outlier kept in high precision, as outlier-aware schemes do).
+    restore_outlier: bool
+    # Flush E4M3 subnormals (magnitudes under 2^-6) to zero, as fast-math conversions do.
+    flush_subnormals: bool = False
+
+
+_RECIPES: dict[str, _Recipe] = {
+    "noscale": _Recipe(
+        "E4M3 cast with no scale (scale 1) through a conversion that flushes subnormals to "
+        "zero: every weight under 2^-6 (about 0.0156) becomes 0, the article's underflow "
+        "at its worst; trips KL, RMS dp, accuracy and flips",
+        stretch=None,
+        restore_outlier=False,
+        flush_subnormals=True,
+    ),
+    "outlier": _Recipe(
+        "per-tensor E4M3 whose scale one corrupt outlier stretched to 1e5 x each matrix's "
+        "absmax (outlier restored afterwards): nearly all weights fall to the subnormal "
+        "grid or zero; trips every probability, accuracy and flip rule",
+        stretch=100000.0,
+        restore_outlier=True,
+    ),
+    "mild": _Recipe(
+        "per-tensor E4M3 whose scale an outlier stretched to 3e4 x the absmax (outlier "
+        "restored): the smaller weights lose precision; meant to trip the mean-KL limit "
+        "(the most sensitive rule) while same-top stays within its reference",
+        stretch=30000.0,
+        restore_outlier=True,
+    ),
+}
+
+PLANT_KINDS: dict[str, str] = {kind: recipe.summary for kind, recipe in _RECIPES.items()}
+
+
+def plant(kind: str, source_dir: Path, out_dir: Path) -> Path:
+    """Write (or reuse) the planted regression ``kind`` of the checkpoint in ``source_dir``.
+
+    Returns ``out_dir``. Raises ValueError for an unknown kind, a source without
+    safetensors weights, or an ``out_dir`` holding files that are not part of a
+    checkpoint (so a mistyped path never deletes unrelated data).
+    """
+    if kind not in _RECIPES:
+        raise ValueError(f"unknown plant kind {kind!r}; valid kinds: {', '.join(_RECIPES)}")
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    weights = sorted(source_dir.glob("*.safetensors"))
+    if not weights:
+        raise ValueError(f"{source_dir}: no *.safetensors weights to plant from")
+    marker = {
+        "kind": kind,
+        "recipe": asdict(_RECIPES[kind]),
+        "source_sha256": _content_hash(weights),
+    }
+    if _read_marker(out_dir) == marker:
+        return out_dir
+    _check_replaceable(out_dir, source_dir)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    temp = _sibling(out_dir, "tmp")
+    temp.mkdir()  # unlike mkdtemp, honours the umask: the plant gets ordinary permissions
+    try:
+        _write_checkpoint(_RECIPES[kind], source_dir, temp)
+        (temp / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+        _fsync_files(temp)  # the rename must not publish files still in the page cache only
+        _move_into_place(temp, out_dir, marker)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return out_dir
+
+
+def _sibling(out_dir: Path, suffix: str) -> Path:
+    # Same directory, so renames stay on one filesystem; hidden and unique per writer.
+    return out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex}.{suffix}")
+
+
+def _content_hash(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_marker(out_dir: Path) -> dict | None:
+    try:
+        return json.loads((out_dir / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _check_replaceable(out_dir: Path, source_dir: Path) -> None:
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ValueError(f"{out_dir}: exists and is not a directory")
+    known = {p.name for p in source_dir.iterdir()} | {MARKER}
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in known)
+    if foreign:
+        raise ValueError(
+            f"{out_dir}: not a planted checkpoint (holds {', '.join(foreign[:3])}); "
+            "refusing to replace it"
+        )
+
+
+def _write_checkpoint(recipe: _Recipe, source_dir: Path, out_dir: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for path in sorted(source_dir.iterdir()):
+        if not path.is_file() or path.name == MARKER:
+            continue
+        if path.suffix != ".safetensors":
+            shutil.copy2(path, out_dir / path.name)  # configs, tokenizer, shard index
+            continue
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata()
+            tensors = {
+                name: _planted(recipe, handle.get_tensor(name)) if _LINEAR.search(name)
+                else handle.get_tensor(name)
+                for name in handle.keys()
+            }
+        save_file(tensors, out_dir / path.name, metadata=metadata)
+
+
+def _planted(recipe: _Recipe, weight: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    w = weight.to(torch.float32)
+    flat_peak = int(w.abs().argmax())
+    scale = 1.0 if recipe.stretch is None else recipe.stretch * float(w.abs().max()) / E4M3_MAX
+    scaled = (w / scale).clamp(-E4M3_MAX, E4M3_MAX)
+    fp8 = scaled.to(torch.float8_e4m3fn).to(torch.float32)
+    if recipe.flush_subnormals:
+        fp8 = torch.where(fp8.abs() < E4M3_MIN_NORMAL, torch.zeros_like(fp8), fp8)
+    out = fp8 * scale
+    if recipe.restore_outlier:
+        out.view(-1)[flat_peak] = w.view(-1)[flat_peak]
+    return out.to(weight.dtype)
+
+
+def _fsync_files(directory: Path) -> None:
+    for path in directory.iterdir():
+        with path.open("rb") as handle:
+            os.fsync(handle.fileno())
+
+
+def _move_into_place(temp: Path, out_dir: Path, marker: dict) -> None:
+    # A directory cannot be os.replace'd onto a non-empty one: move the stale
+    # one aside first, so readers see either no directory or a complete one.
+    if out_dir.exists():
+        aside = _sibling(out_dir, "old")
+        with contextlib.suppress(FileNotFoundError):  # a concurrent writer moved it already
+            os.rename(out_dir, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.rename(temp, out_dir)
+    except OSError:
+        # Another process placed its copy in the meantime; keep it if it is ours too.
+        if _read_marker(out_dir) != marker:
+            raise

