@@ -18,7 +18,7 @@ from typing import Any, Callable
 from . import corpus as corpus_mod
 from .atomic import atomic_write_text
 from .config import GateConfig, ModelSpec, TaskSpec
-from .dumps import read_lm_eval_samples, read_logprob_dump, write_lm_eval_samples, write_logprob_dump
+from .dumps import read_lm_eval_samples, write_lm_eval_samples, write_logprob_dump
 from .engine import FULL_VOCAB_LIMIT, Engine, Latency
 from .statistics import AnswerRecord, LogprobRun
 
@@ -214,7 +214,7 @@ class Measurements:
             result.logprobs_path = directory / "logprobs.npz"
             write_logprob_dump(result.logprobs_path, run, {"model": spec.model, "name": spec.name, "pass": label,
                                                            "quantization": spec.quantization})
-            result.logprobs = read_logprob_dump(result.logprobs_path)
+            result.logprobs = run
             timings.append(f"logprobs {time.perf_counter() - started:.1f} s")
         for task in self.config.tasks:
             if task.name in needs.tasks:
