@@ -36,6 +36,7 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str]) -> i
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never downloads anything
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     workdir = workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
     source = embedded_assets().model
     plants = {kind: plant(kind, source, workdir / "plants" / kind) for kind in dict.fromkeys(plant_kinds)}
     config_path = workdir / "thresholds.toml"

@@ -108,3 +108,18 @@ def test_without_a_thresholds_file_the_fixture_skips(pytester: pytest.Pytester) 
     result = pytester.runpytest("-rs")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*no fp8gate thresholds file*"])
+
+
+def test_demo_creates_its_workdir_and_collects_the_demo_rules(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    workdir = tmp_path / "not" / "yet" / "there"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir), "--", "--collect-only", "-q"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (workdir / "thresholds.toml").is_file()
+    assert "thresholds.toml::test_flips_within_noise_floor[fp8-per-channel-tiny-arith]" in done.stdout
+    assert "thresholds.toml::test_kl_within_limit[fp8-per-channel]" in done.stdout
+    assert "7 tests collected" in done.stdout
