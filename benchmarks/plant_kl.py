@@ -16,19 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from vllm_support import corpus_chunks, full_logprobs, running_llm  # noqa: E402
-
-from pytest_fp8gate.embedded import embedded_assets  # noqa: E402
-from pytest_fp8gate.planting import PLANT_KINDS, plant  # noqa: E402
-from pytest_fp8gate.statistics import LogprobRun, compare_logprobs  # noqa: E402
+from pytest_fp8gate.config import ModelSpec, load_config
+from pytest_fp8gate.demo_run import DEMO_CONFIG
+from pytest_fp8gate.embedded import embedded_assets
+from pytest_fp8gate.engine import Engine
+from pytest_fp8gate.planting import PLANT_KINDS, plant
+from pytest_fp8gate.statistics import compare_logprobs
 
 CHUNK_TOKENS = 1024
 STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -53,40 +53,32 @@ def _normalize(answer: str) -> str:
     return answer.replace(",", "").replace("$", "").strip().removesuffix(".")
 
 
-def strict_answers(llm: Any, prompts: list[str]) -> list[str | None]:
-    from vllm import SamplingParams
-
-    tokenizer = llm.get_tokenizer()
-    params = SamplingParams(temperature=0.0, max_tokens=128, stop=["Question:", "</s>"])
-    inputs = [{"prompt_token_ids": tokenizer.encode(p)} for p in prompts]  # BOS included
+def strict_answers(engine: Engine, prompts: list[str]) -> list[str | None]:
+    stops = ["Question:", "</s>"]
+    generations = engine.generate_greedy([engine.encode(p, add_bos=True) for p in prompts],
+                                         [128] * len(prompts), [stops] * len(prompts))
     answers = []
-    for out in llm.generate(inputs, params, use_tqdm=False):
-        match = STRICT.search(out.outputs[0].text)
+    for generation in generations:
+        match = STRICT.search(generation.text)
         answers.append(_normalize(match.group(1)) if match else None)
     return answers
 
 
-def measure(model: Path, quantization: str | None, chunks: int, prompts: list[str]) -> dict[str, Any]:
-    with running_llm(model, quantization) as llm:
-        ids = corpus_chunks(llm, embedded_assets().corpus.read_text(encoding="utf-8"), CHUNK_TOKENS, chunks)
-        return {"chunks": ids, "logprobs": full_logprobs(llm, ids), "answers": strict_answers(llm, prompts)}
-
-
-def _run(result: dict[str, Any]) -> LogprobRun:
-    dense = result["logprobs"]
-    targets = np.concatenate([np.asarray(c[1:]) for c in result["chunks"]])
-    top_ids = np.argsort(-dense, axis=1)[:, :20]
-    return LogprobRun(
-        real_logprob=dense[np.arange(len(targets)), targets],
-        top_ids=top_ids,
-        top_logprobs=np.take_along_axis(dense, top_ids, axis=1),
-        full_logprobs=dense,
-        token_ids=targets,
-    )
+def measure(spec: ModelSpec, chunks: int | None, prompts: list[str]) -> dict[str, Any]:
+    engine = Engine(spec, max_logprobs=-1)
+    try:
+        ids = engine.encode(embedded_assets().corpus.read_text(encoding="utf-8"), add_bos=False)
+        body = CHUNK_TOKENS - 1
+        pieces = [[engine.tokenizer.bos_token_id, *ids[i:i + body]] for i in range(0, len(ids) - body + 1, body)]
+        pieces = pieces[:chunks]
+        return {"run": engine.prompt_logprobs(pieces, top_k=20, full_vocab=True),
+                "answers": strict_answers(engine, prompts)}
+    finally:
+        engine.shutdown()
 
 
 def summarize(base: dict[str, Any], cand: dict[str, Any], golds: list[str]) -> dict[str, Any]:
-    probs = compare_logprobs(_run(base), _run(cand))
+    probs = compare_logprobs(base["run"], cand["run"])
     right_base = [a == g for a, g in zip(base["answers"], golds)]
     right_cand = [a == g for a, g in zip(cand["answers"], golds)]
     return {
@@ -109,17 +101,18 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    assets = embedded_assets()
+    baseline = load_config(DEMO_CONFIG).baseline  # the demo's engine settings for the embedded model
     prompts, golds = task_prompts(args.questions)
     with tempfile.TemporaryDirectory() as scratch:
         plants_dir = args.plants_dir or Path(scratch)
-        candidates = [("fp8_per_channel", assets.model, "fp8_per_channel")] + [
-            (kind, plant(kind, assets.model, plants_dir / kind), None) for kind in PLANT_KINDS
+        candidates = [replace(baseline, name="fp8_per_channel", quantization="fp8_per_channel")] + [
+            replace(baseline, name=kind, model=str(plant(kind, Path(baseline.model), plants_dir / kind)))
+            for kind in PLANT_KINDS
         ]
-        base = measure(assets.model, None, args.chunks, prompts)
+        base = measure(baseline, args.chunks, prompts)
         figures = {"bf16": summarize(base, base, golds)}
-        for name, model, quantization in candidates:
-            figures[name] = summarize(base, measure(model, quantization, args.chunks, prompts), golds)
+        for spec in candidates:
+            figures[spec.name] = summarize(base, measure(spec, args.chunks, prompts), golds)
 
     if args.json:
         print(json.dumps(figures, indent=2))

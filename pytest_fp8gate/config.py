@@ -70,6 +70,7 @@ class ProbabilityLimits:
     max_mean_kl: float | None = None
     max_ppl_ratio: float | None = None
     floor_ratio: float | None = None  # applies only where the noise floor is > 0
+    limit_se: float = 1.0  # a limit fails only when missed by more than this many SEs (the accuracy rule's k)
 
 
 @dataclass(frozen=True)
@@ -315,7 +316,9 @@ _PROBABILITY_LIMIT_CHECKS = {
     "max_mean_kl": _number(0),
     "max_ppl_ratio": _RATIO,
     "floor_ratio": _RATIO,
+    "limit_se": _number(0),
 }
+_PROBABILITY_METRIC_LIMITS = ("min_same_top", "max_rms_dp", "max_mean_kl", "max_ppl_ratio")
 _TASK_CHECKS = {
     "task": _text(),
     "metric": _text(),
@@ -479,8 +482,8 @@ class _Parser:
 
     def probabilities(self, table: _Table) -> ProbabilitySpec:
         limits = table.table("limits", _PROBABILITY_LIMIT_CHECKS)
-        if not limits.raw:
-            expected = ", ".join(_PROBABILITY_LIMIT_CHECKS)
+        if not any(key in limits.raw for key in _PROBABILITY_METRIC_LIMITS):
+            expected = ", ".join(_PROBABILITY_METRIC_LIMITS)
             raise self.error(limits.where, f"expected at least one of {expected}; nothing is gated")
         return ProbabilitySpec(
             corpus=self.corpus(table.key("corpus"), table.raw.get("corpus", "wikitext-2")),

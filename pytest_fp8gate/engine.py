@@ -53,6 +53,10 @@ class Latency:
         }
 
 
+class IdScoringUnavailable(Exception):
+    """The engine cannot score given token ids per prompt position."""
+
+
 @dataclass(frozen=True)
 class Generation:
     text: str
@@ -132,6 +136,30 @@ class Engine:
         full = np.concatenate([p[3] for p in parts]) if full_vocab else None
         token_ids = np.concatenate([np.asarray(c[1:], dtype=np.int64) for c in chunks])
         return LogprobRun(real, top_ids, top_lp, full_logprobs=full, token_ids=token_ids)
+
+    def logprobs_on_ids(self, chunks: Sequence[Sequence[int]], ids: np.ndarray) -> np.ndarray:
+        """This model's log-probs on given ids at every scored position, [positions, k].
+
+        ``ids`` holds one row per scored position of the chunks in order (the
+        baseline's top-k), so the KL partition sees every baseline id. Uses
+        vLLM's ``prompt_logprob_token_ids``, which only the V2 model runner
+        serves (the CUDA builds); raises ``IdScoringUnavailable`` with the
+        engine's reason elsewhere.
+        """
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
+
+        bounds = np.cumsum([0] + [len(c) - 1 for c in chunks])
+        if bounds[-1] != len(ids):
+            raise ValueError(f"{len(ids)} id rows for {bounds[-1]} scored positions")
+        params = [SamplingParams(max_tokens=1, detokenize=False,
+                                 prompt_logprob_token_ids=np.ascontiguousarray(ids[a:b], dtype=np.int64))
+                  for a, b in zip(bounds[:-1], bounds[1:])]
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": list(c)} for c in chunks], params, use_tqdm=False)
+        except VLLMValidationError as err:
+            raise IdScoringUnavailable(str(err)) from None
+        return np.concatenate([np.asarray(out.prompt_token_id_logprobs, dtype=np.float64) for out in outputs])
 
     # ---- generation --------------------------------------------------------
 

@@ -14,7 +14,7 @@ from . import gpus, hardware, roofline, rules
 from .config import GateConfig, TaskSpec
 from .measure import PASS_DESCRIPTIONS, Measurements
 from .rules import RuleOutcome
-from .statistics import AnswerComparison, LogprobComparison, compare_answers, compare_logprobs
+from .statistics import TOPK_KL, AnswerComparison, LogprobComparison, compare_answers, compare_logprobs
 
 FLIP_EXAMPLES = 3
 
@@ -120,17 +120,29 @@ class Gate:
             )
         floor_values = {label: getattr(c, field_name) for label, c in floors.items()}
         worst = max(floor_values.values(), key=lambda v: abs(v - ideal)) if floor_values else None
-        outcome = rule(case.rule, measured, getattr(limits, limit_key), worst, limits.floor_ratio, ideal=ideal)
+        outcome = rule(case.rule, measured, getattr(limits, limit_key), worst, limits.floor_ratio, ideal=ideal,
+                       measured_se=comparison.standard_error(field_name) or 0.0, k_se=limits.limit_se)
         notes = [f"noise pass {label}: {field_name} = {_number(v)} ({PASS_DESCRIPTIONS[label]})"
                  for label, v in floor_values.items()]
         if case.rule == "mean_kl":
-            notes.append(f"KL(base || candidate) is {comparison.kl_kind}")
+            notes.append(f"KL(base || candidate) is {comparison.kl_kind}{self._kl_partition_note(comparison)}")
+        if limits.limit_se > 0:
+            notes.append(f"judged like accuracy: fails only when the limit is missed by more than "
+                         f"{limits.limit_se:g} SE of the candidate's figure (limit_se; 0 judges the point estimate)")
         notes.append(f"{comparison.positions} positions; same top {comparison.same_top:.5f} "
                      f"± {comparison.same_top_se:.5f}, RMS Δp {comparison.rms_dp:.5f}, "
                      f"PPL ratio {comparison.ppl_ratio:.6f}")
         details = {"comparison": comparison.as_dict(),
                    "noise_floor": {label: c.as_dict() for label, c in floors.items()}}
         return Verdict(case, outcome, details, tuple(notes))
+
+    def _kl_partition_note(self, comparison: LogprobComparison) -> str:
+        if comparison.kl_kind != TOPK_KL:
+            return ""
+        refusal = self.measurements.id_scoring_refusal
+        if refusal is None:
+            return " (the candidate scored on the baseline's top-k ids)"
+        return f" (on the baseline ids in the candidate's own top-k; scoring given ids was refused: {refusal})"
 
     # ---- check two: answers on checkable tasks ------------------------------
 

@@ -9,6 +9,7 @@ measurement is written under the artifacts directory (atomically) so that
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from . import corpus as corpus_mod
 from .atomic import atomic_write_text
 from .config import GateConfig, ModelSpec, TaskSpec
 from .dumps import read_lm_eval_samples, write_lm_eval_samples, write_logprob_dump
-from .engine import FULL_VOCAB_LIMIT, Engine, Latency
+from .engine import FULL_VOCAB_LIMIT, Engine, IdScoringUnavailable, Latency
 from .statistics import AnswerRecord, LogprobRun
 
 # The noise pass re-runs the baseline in reverse order in small fixed batches, so
@@ -94,6 +95,8 @@ class Measurements:
         self._chunks: list[list[int]] = []
         self._task_manager: Any = None
         self._failures: dict[str, BaseException] = {}
+        # Why the engine could not score the baseline's top-k ids (None: it could, or was not asked).
+        self.id_scoring_refusal: str | None = None
 
     # ---- public ------------------------------------------------------------
 
@@ -211,6 +214,7 @@ class Measurements:
                 self._chunks, self.config.probabilities.top_k, self._full_vocab_wanted(),
                 batch_size=batch_size, reverse=reverse,
             )
+            run = self._with_base_ids(engine, run)
             result.logprobs_path = directory / "logprobs.npz"
             write_logprob_dump(result.logprobs_path, run, {"model": spec.model, "name": spec.name, "pass": label,
                                                            "quantization": spec.quantization})
@@ -223,6 +227,24 @@ class Measurements:
                 timings.append(f"{task.name} {time.perf_counter() - started:.1f} s")
         self.announce(f"fp8gate: measured {spec.name} [{label}]: {', '.join(timings) or 'nothing needed'}")
         return result
+
+    def _with_base_ids(self, engine: Engine, run: LogprobRun) -> LogprobRun:
+        """In top-k mode, add this run's log-probs on the baseline's top-k ids where the engine can.
+
+        Without them the KL partition only knows the baseline ids that also
+        made this model's own top-k.
+        """
+        base = self._baseline.main.logprobs if self._baseline is not None else None
+        if base is None or run.full_logprobs is not None or self.id_scoring_refusal is not None:
+            return run
+        try:
+            on_base_ids = engine.logprobs_on_ids(self._chunks, base.top_ids)
+        except IdScoringUnavailable as err:
+            self.id_scoring_refusal = str(err)
+            self.announce(f"fp8gate: the engine cannot score the baseline's top-k ids ({err}); "
+                          "KL uses the ids each model returned in its own top-k")
+            return run
+        return dataclasses.replace(run, logprobs_on_base_ids=on_base_ids)
 
     # ---- lm-eval -----------------------------------------------------------
 

@@ -130,10 +130,14 @@ def _bounded(
     floor_ratio: float | None,
     ideal: float,
     sign: int,
+    measured_se: float,
+    k_se: float,
 ) -> RuleOutcome:
     # sign=+1: larger is better and the limit is a minimum; sign=-1: the reverse.
     if floor_ratio is not None and floor_value is None:
         raise ValueError(f"{metric_name}: floor_ratio needs a floor_value")
+    if measured_se < 0 or k_se < 0:
+        raise ValueError(f"{metric_name}: measured_se and k_se must be >= 0")
     limit = reference
     rows: list[Row] = [("reference", reference)]
     if floor_value is not None:
@@ -146,7 +150,11 @@ def _bounded(
             rows.append((f"{floor_ratio:g} x floor distance from {ideal:g}", floor_limit))
             limit = sign * max(sign * limit, sign * floor_limit)
     rows.append(("candidate", measured))
-    return _outcome(metric_name, measured, limit, sign * (measured - limit), rows)
+    if k_se > 0:
+        # Judged like the accuracy rule: only a miss by more than k SE is evidence.
+        rows.append((f"candidate SE (fails beyond {k_se:g} SE)", measured_se))
+    margin = sign * (measured - limit) + k_se * measured_se
+    return _outcome(metric_name, measured, limit, margin, rows)
 
 
 def at_least(
@@ -157,13 +165,16 @@ def at_least(
     floor_ratio: float | None = None,
     *,
     ideal: float = 1.0,
+    measured_se: float = 0.0,
+    k_se: float = 0.0,
 ) -> RuleOutcome:
     """Pass when ``measured >= reference``, and, given a noise floor and
     ``floor_ratio``, when the candidate's distance from ``ideal`` is at most
     floor_ratio times the floor's. For same-top agreement (ideal 1) that
-    distance is the disagreement 1 - same_top.
+    distance is the disagreement 1 - same_top. With ``k_se > 0`` the rule fails
+    only when the limit is missed by more than ``k_se`` x ``measured_se``.
     """
-    return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, +1)
+    return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, +1, measured_se, k_se)
 
 
 def at_most(
@@ -174,13 +185,15 @@ def at_most(
     floor_ratio: float | None = None,
     *,
     ideal: float = 0.0,
+    measured_se: float = 0.0,
+    k_se: float = 0.0,
 ) -> RuleOutcome:
     """Pass when ``measured <= reference``, and, given a noise floor and
     ``floor_ratio``, when the candidate's distance from ``ideal`` is at most
     floor_ratio times the floor's. Use ideal 0 for rms_dp and mean_kl, ideal 1
-    for ppl_ratio.
+    for ppl_ratio. ``measured_se``/``k_se`` as in ``at_least``.
     """
-    return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, -1)
+    return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, -1, measured_se, k_se)
 
 
 def speed_at_least_fraction(

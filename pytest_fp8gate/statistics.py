@@ -56,6 +56,9 @@ _WORKERS = min(
 )
 
 
+TOPK_KL = "top-k lower bound"  # the kl_kind of a KL over the baseline's top-k plus a tail bucket
+
+
 class ComparisonError(ValueError):
     """Two runs cannot be compared: shapes, pairing or prompts disagree."""
 
@@ -136,7 +139,8 @@ class LogprobComparison:
     """Candidate vs baseline on the same tokens; fractions, not percentages.
 
     ``same_top_se`` is the binomial sqrt(p(1-p)/N); the other ``*_se`` fields are
-    standard errors of a mean (sample SD / sqrt(N)), as llama.cpp reports them.
+    standard errors of a mean (sample SD / sqrt(N)), as llama.cpp reports them;
+    ``rms_dp_se`` carries the SE of mean(dp^2) through the square root (delta method).
     ``kl_kind`` is "exact" (both full distributions), "top-k lower bound" or
     "unavailable" (then the KL fields are None).
     """
@@ -147,6 +151,7 @@ class LogprobComparison:
     mean_dp: float
     mean_dp_se: float
     rms_dp: float
+    rms_dp_se: float
     dp_percentiles: dict[str, float]
     ppl_ratio: float
     ln_ppl_ratio: float
@@ -158,6 +163,12 @@ class LogprobComparison:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def standard_error(self, metric: str) -> float | None:
+        """SE of ``same_top``, ``rms_dp``, ``ppl_ratio`` (delta method from its log) or ``mean_kl``."""
+        if metric == "ppl_ratio":
+            return self.ppl_ratio * self.ln_ppl_ratio_se
+        return {"same_top": self.same_top_se, "rms_dp": self.rms_dp_se, "mean_kl": self.kl_se}[metric]
 
 
 def _binomial_se(p: float, n: int) -> float:
@@ -200,6 +211,8 @@ def compare_logprobs(base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
     same_top = float(np.mean(base.top_ids[:, 0] == cand.top_ids[:, 0]))
     dp = np.exp(cand.real_logprob) - np.exp(base.real_logprob)
     mean_dp, mean_dp_se = _mean_se(dp)
+    mean_square_dp, mean_square_dp_se = _mean_se(dp * dp)
+    rms_dp = math.sqrt(mean_square_dp)
     ln_ppl_ratio, ln_ppl_ratio_se = _mean_se(base.real_logprob - cand.real_logprob)
     kl_kind, kl = _kl_per_position(base, cand)
     mean_kl, kl_se = _mean_se(kl) if kl is not None else (None, None)
@@ -209,7 +222,8 @@ def compare_logprobs(base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
         same_top_se=_binomial_se(same_top, n),
         mean_dp=mean_dp,
         mean_dp_se=mean_dp_se,
-        rms_dp=math.sqrt(float(np.mean(dp * dp))),
+        rms_dp=rms_dp,
+        rms_dp_se=mean_square_dp_se / (2 * rms_dp) if rms_dp > 0 else 0.0,
         dp_percentiles=_percentiles(dp),
         ppl_ratio=math.exp(ln_ppl_ratio),
         ln_ppl_ratio=ln_ppl_ratio,
@@ -238,7 +252,7 @@ def _kl_per_position(base: LogprobRun, cand: LogprobRun) -> tuple[str, np.ndarra
     cand_source = on_base if on_base is not None else cand.top_logprobs
     if np.isnan(base.top_logprobs).all() or np.isnan(cand_source).all():
         return "unavailable", None
-    return "top-k lower bound", _topk_kl_lower_bound(base, cand)
+    return TOPK_KL, _topk_kl_lower_bound(base, cand)
 
 
 def _blockwise(n: int, block: int, kl_of: Callable[[slice], np.ndarray]) -> np.ndarray:

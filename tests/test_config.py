@@ -303,8 +303,17 @@ BAD_INPUTS = {
     ),
     "probabilities without limits": (
         MODELS + "[probabilities]\nchunks = 10\n",
-        "probabilities.limits: expected at least one of min_same_top, max_rms_dp, max_mean_kl, max_ppl_ratio, "
-        "floor_ratio; nothing is gated",
+        "probabilities.limits: expected at least one of min_same_top, max_rms_dp, max_mean_kl, max_ppl_ratio; "
+        "nothing is gated",
+    ),
+    "probabilities with only how-to-judge keys": (
+        MODELS + "[probabilities]\nchunks = 10\n[probabilities.limits]\nfloor_ratio = 2.0\nlimit_se = 0\n",
+        "probabilities.limits: expected at least one of min_same_top, max_rms_dp, max_mean_kl, max_ppl_ratio; "
+        "nothing is gated",
+    ),
+    "negative limit_se": (
+        MODELS + "[probabilities]\n[probabilities.limits]\nmax_mean_kl = 0.1\nlimit_se = -1\n",
+        "probabilities.limits.limit_se: expected a number >= 0, got -1",
     ),
     "full_vocab": (
         MODELS + '[probabilities]\nfull_vocab = "yes"\n[probabilities.limits]\nmax_mean_kl = 0.1\n',

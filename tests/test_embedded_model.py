@@ -18,7 +18,9 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vllm_support import full_logprobs, running_llm  # noqa: E402
+from pytest_fp8gate.config import load_config  # noqa: E402
+from pytest_fp8gate.demo_run import DEMO_CONFIG  # noqa: E402
+from pytest_fp8gate.engine import Engine, IdScoringUnavailable  # noqa: E402
 
 ASSETS = embedded_assets()
 # vLLM and transformers both run the BF16 weights in BF16 but with different
@@ -33,9 +35,15 @@ SHORT_TEXT_TOKENS = 256
 
 
 @pytest.fixture(scope="module")
-def llm():
-    with running_llm(ASSETS.model) as engine:
-        yield engine
+def engine():
+    """The BF16 model as the demo gate starts it (its engine settings come from the demo config)."""
+    started = Engine(load_config(DEMO_CONFIG).baseline, max_logprobs=-1)
+    yield started
+    started.shutdown()
+
+
+def full_logprobs(engine: Engine, ids: list[int]) -> np.ndarray:
+    return engine.prompt_logprobs([ids], top_k=20, full_vocab=True).full_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +79,22 @@ def test_tokenizer_adds_bos_and_has_eos(tokenizer) -> None:
     assert tokenizer.decode(ids, skip_special_tokens=True) == "Question: 2 plus 2?"
 
 
-def test_vllm_returns_full_vocabulary_prompt_logprobs(llm, short_text_ids) -> None:
-    logprobs = full_logprobs(llm, [short_text_ids])
+def test_vllm_returns_full_vocabulary_prompt_logprobs(engine, short_text_ids) -> None:
+    logprobs = full_logprobs(engine, short_text_ids)
     assert logprobs.shape == (len(short_text_ids) - 1, 259)
     np.testing.assert_allclose(np.exp(logprobs.astype(np.float64)).sum(axis=1), 1.0, atol=1e-3)
 
 
-def test_transformers_agrees_with_vllm(llm, short_text_ids) -> None:
-    vllm_logprobs = full_logprobs(llm, [short_text_ids])
+def test_scoring_given_ids_is_refused_on_cpu_with_the_engines_reason(engine, short_text_ids) -> None:
+    # vLLM serves prompt_logprob_token_ids only from its V2 model runner (CUDA builds);
+    # the gate then falls back to each model's own top-k and says why in the KL note.
+    ids = np.tile(np.arange(5), (len(short_text_ids) - 1, 1))
+    with pytest.raises(IdScoringUnavailable, match="V2 model runner"):
+        engine.logprobs_on_ids([short_text_ids], ids)
+
+
+def test_transformers_agrees_with_vllm(engine, short_text_ids) -> None:
+    vllm_logprobs = full_logprobs(engine, short_text_ids)
     with torch.no_grad():
         logits = _hf_model(torch.bfloat16)(torch.tensor([short_text_ids])).logits[0, :-1]
     hf_logprobs = logits.float().log_softmax(-1).numpy()

@@ -107,6 +107,17 @@ def test_ppl_ratio_distance_is_measured_from_one():
     assert not at_most("ppl_ratio", 1.0009, 1.001, 1.0004, 2.0, ideal=1.0).passed
 
 
+def test_a_limit_missed_within_k_standard_errors_passes_and_beyond_fails():
+    # The demo's fp8_per_channel: PPL ratio 1.000718 with SE 0.000341 against Q8_0's 1.000425.
+    within = at_most("ppl_ratio", 1.000718, 1.000425, ideal=1.0, measured_se=0.000341, k_se=1.0)
+    assert within.passed and within.margin == pytest.approx(0.000341 - 0.000293)
+    assert ("candidate SE (fails beyond 1 SE)", 0.000341) in within.rows
+    assert not at_most("ppl_ratio", 1.000718, 1.000425, ideal=1.0, measured_se=0.000341, k_se=0.0).passed
+    assert not at_most("ppl_ratio", 1.0028, 1.000425, ideal=1.0, measured_se=0.0004, k_se=1.0).passed
+    assert not at_least("same_top", 0.96, 0.97674, measured_se=0.003, k_se=1.0).passed
+    assert at_least("same_top", 0.975, 0.97674, measured_se=0.003, k_se=1.0).passed
+
+
 def test_floor_ratio_without_floor_is_an_error():
     with pytest.raises(ValueError, match="floor_value"):
         at_most("mean_kl", 0.001, 0.002, floor_ratio=2.0)

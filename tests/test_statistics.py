@@ -169,6 +169,23 @@ def test_summary_statistics_and_percentile_labels():
     assert type(plain["positions"]) is int and type(plain["rms_dp"]) is float
 
 
+def test_standard_errors_of_the_gated_metrics_match_a_bootstrap():
+    # The delta-method SEs (RMS Δp, PPL ratio) against the spread of the metric itself
+    # over bootstrap resamples of positions: the gate's limit_se leans on them.
+    _, _, base, cand = pair(n=4000, seed=5, keep_full=True)
+    result = compare_logprobs(base, cand)
+    rng = np.random.default_rng(0)
+    samples = {"same_top": [], "rms_dp": [], "ppl_ratio": [], "mean_kl": []}
+    for _ in range(300):
+        rows = rng.integers(0, 4000, 4000)
+        resampled = compare_logprobs(*(LogprobRun(r.real_logprob[rows], r.top_ids[rows], r.top_logprobs[rows],
+                                                  full_logprobs=r.full_logprobs[rows]) for r in (base, cand)))
+        for metric, values in samples.items():
+            values.append(getattr(resampled, metric))
+    for metric, values in samples.items():
+        assert result.standard_error(metric) == pytest.approx(np.std(values), rel=0.2), metric
+
+
 def zeros_run(n: int = 4, k: int = 3, **extra) -> LogprobRun:
     return LogprobRun(np.zeros(n), np.zeros((n, k)), np.zeros((n, k)), **extra)
 
