@@ -69,10 +69,11 @@ _RECIPES: dict[str, _Recipe] = {
         restore_outlier=True,
     ),
     "mild": _Recipe(
-        "per-tensor E4M3 whose scale an outlier stretched to 3e4 x the absmax (outlier "
-        "restored): the smaller weights lose precision; meant to trip the mean-KL limit "
-        "(the most sensitive rule) while same-top stays within its reference",
-        stretch=30000.0,
+        "per-tensor E4M3 whose scale an outlier stretched to 2e4 x the absmax (outlier "
+        "restored): the smaller weights lose precision; meant to trip only the flip rule "
+        "(the most sensitive on the embedded model) while accuracy and every probability "
+        "figure stay inside their limits: answers change underneath a flat score",
+        stretch=20000.0,
         restore_outlier=True,
     ),
 }

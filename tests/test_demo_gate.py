@@ -27,8 +27,11 @@ MUST_FAIL = {
     "planted-noscale": {"test_kl_within_limit", "test_rms_dp_within_limit", "test_flips_within_noise_floor"},
     "planted-outlier": {"test_same_top_near_baseline", "test_kl_within_limit", "test_rms_dp_within_limit",
                         "test_accuracy_within_se", "test_flips_within_noise_floor"},
-    "planted-mild": {"test_kl_within_limit"},
+    "planted-mild": {"test_flips_within_noise_floor"},
 }
+# ... and the rules the mild plant must still pass with room (its accuracy drop sits one
+# question inside one SE, so it is not asserted either way).
+MILD_MUST_PASS = {"test_same_top_near_baseline", "test_kl_within_limit", "test_rms_dp_within_limit"}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,7 @@ def test_planted_regression_fails_its_rules(demo: dict, plant: str) -> None:
           for name in (GOOD, plant)}
     assert kl[plant] > kl[GOOD], kl  # every plant is further from BF16 than fp8_per_channel
     if plant == "planted-mild":
-        assert outcomes["test_same_top_near_baseline"] == "passed", outcomes
+        assert {rule for rule, outcome in outcomes.items() if outcome == "passed"} >= MILD_MUST_PASS, outcomes
 
 
 def test_demo_exits_nonzero_and_names_the_failing_rules(demo: dict) -> None:
