@@ -159,7 +159,11 @@ class Engine:
             outputs = self.llm.generate([{"prompt_token_ids": list(c)} for c in chunks], params, use_tqdm=False)
         except VLLMValidationError as err:
             raise IdScoringUnavailable(str(err)) from None
-        return np.concatenate([np.asarray(out.prompt_token_id_logprobs, dtype=np.float64) for out in outputs])
+        scores = [out.prompt_token_id_logprobs for out in outputs]
+        if any(score is None for score in scores):
+            # vLLM drops the scores of a request whose prefill it could not score whole.
+            raise IdScoringUnavailable("the engine returned no scores for some prompts")
+        return np.concatenate([np.asarray(score, dtype=np.float64) for score in scores])
 
     # ---- generation --------------------------------------------------------
 
