@@ -129,6 +129,33 @@ def test_task_runs_through_lm_eval(tokenizer) -> None:
     assert scores["exact_match,strict-match"] > 0, "the model should solve some of 8 problems"
 
 
+def test_multiple_choice_task_scores_through_the_gates_adapter(engine, tokenizer) -> None:
+    # The loglikelihood path of EngineLM (MMLU/ARC-style tasks), on the session's engine.
+    from lm_eval import simple_evaluate
+    from lm_eval.api.instance import Instance
+    from lm_eval.tasks import TaskManager
+
+    from pytest_fp8gate.lm_adapter import EngineLM
+
+    lm = EngineLM(engine)
+    results = simple_evaluate(
+        model=lm, tasks=["fp8gate_tiny_arith_choice"], num_fewshot=0, limit=20,
+        task_manager=TaskManager(include_path=str(Path(__file__).parent / "data" / "tasks"), include_defaults=False),
+        log_samples=False,
+    )
+    assert results["results"]["fp8gate_tiny_arith_choice"]["acc,none"] >= 0.9  # chance is 0.25
+
+    # One request against transformers: the continuation's summed log-prob and greedy flag.
+    context, continuation = "Question: Ava has 12 pens.\nAnswer: 12 + 3 = 15.\n####", " 15"
+    [(logprob, greedy)] = lm.loglikelihood([Instance("loglikelihood", {}, (context, continuation), 0)])
+    ids = tokenizer.encode(context + continuation)
+    n = len(ids) - len(tokenizer.encode(context))
+    with torch.no_grad():
+        logits = _hf_model(torch.bfloat16)(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    hf = sum(float(logits[i - 1, ids[i]]) for i in range(len(ids) - n, len(ids)))
+    assert logprob == pytest.approx(hf, abs=0.1) and isinstance(greedy, bool)
+
+
 def test_cli_assets_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert fp8gate_main(["assets", "--json"]) == 0
     paths = json.loads(capsys.readouterr().out)
