@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from pytest_fp8gate.config import ModelSpec, load_config
+from pytest_fp8gate.config import ModelSpec, ProbabilitySpec, load_config
+from pytest_fp8gate.corpus import chunk_corpus
 from pytest_fp8gate.demo_run import DEMO_CONFIG
 from pytest_fp8gate.embedded import embedded_assets
 from pytest_fp8gate.engine import Engine
@@ -64,14 +66,11 @@ def strict_answers(engine: Engine, prompts: list[str]) -> list[str | None]:
     return answers
 
 
-def measure(spec: ModelSpec, chunks: int | None, prompts: list[str]) -> dict[str, Any]:
+def measure(spec: ModelSpec, probabilities: ProbabilitySpec, prompts: list[str]) -> dict[str, Any]:
     engine = Engine(spec, max_logprobs=-1)
     try:
-        ids = engine.encode(embedded_assets().corpus.read_text(encoding="utf-8"), add_bos=False)
-        body = CHUNK_TOKENS - 1
-        pieces = [[engine.tokenizer.bos_token_id, *ids[i:i + body]] for i in range(0, len(ids) - body + 1, body)]
-        pieces = pieces[:chunks]
-        return {"run": engine.prompt_logprobs(pieces, top_k=20, full_vocab=True),
+        pieces = chunk_corpus(engine, probabilities, DEMO_CONFIG)
+        return {"run": engine.prompt_logprobs(pieces, top_k=probabilities.top_k, full_vocab=True),
                 "answers": strict_answers(engine, prompts)}
     finally:
         engine.shutdown()
@@ -101,7 +100,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    baseline = load_config(DEMO_CONFIG).baseline  # the demo's engine settings for the embedded model
+    config = load_config(DEMO_CONFIG)  # the demo's engine settings and corpus for the embedded model
+    baseline = config.baseline
+    probabilities = replace(config.probabilities, chunk_tokens=CHUNK_TOKENS, chunks=args.chunks or sys.maxsize)
     prompts, golds = task_prompts(args.questions)
     with tempfile.TemporaryDirectory() as scratch:
         plants_dir = args.plants_dir or Path(scratch)
@@ -109,10 +110,10 @@ def main() -> None:
             replace(baseline, name=kind, model=str(plant(kind, Path(baseline.model), plants_dir / kind)))
             for kind in PLANT_KINDS
         ]
-        base = measure(baseline, args.chunks, prompts)
+        base = measure(baseline, probabilities, prompts)
         figures = {"bf16": summarize(base, base, golds)}
         for spec in candidates:
-            figures[spec.name] = summarize(base, measure(spec, args.chunks, prompts), golds)
+            figures[spec.name] = summarize(base, measure(spec, probabilities, prompts), golds)
 
     if args.json:
         print(json.dumps(figures, indent=2))
