@@ -66,8 +66,8 @@ def strict_answers(engine: Engine, prompts: list[str]) -> list[str | None]:
     return answers
 
 
-def measure(spec: ModelSpec, probabilities: ProbabilitySpec, prompts: list[str]) -> dict[str, Any]:
-    engine = Engine(spec, max_logprobs=-1)
+def measure(spec: ModelSpec, probabilities: ProbabilitySpec, prompts: list[str], in_process: bool) -> dict[str, Any]:
+    engine = Engine(spec, max_logprobs=-1, in_process=in_process)
     try:
         pieces = chunk_corpus(engine, probabilities, DEMO_CONFIG)
         return {"run": engine.prompt_logprobs(pieces, top_k=probabilities.top_k, full_vocab=True),
@@ -110,10 +110,11 @@ def main() -> None:
             replace(baseline, name=kind, model=str(plant(kind, Path(baseline.model), plants_dir / kind)))
             for kind in PLANT_KINDS
         ]
-        base = measure(baseline, probabilities, prompts)
+        base = measure(baseline, probabilities, prompts, config.deterministic_scheduling)
         figures = {"bf16": summarize(base, base, golds)}
         for spec in candidates:
-            figures[spec.name] = summarize(base, measure(spec, probabilities, prompts), golds)
+            measured = measure(spec, probabilities, prompts, config.deterministic_scheduling)
+            figures[spec.name] = summarize(base, measured, golds)
 
     if args.json:
         print(json.dumps(figures, indent=2))

@@ -39,7 +39,8 @@ SHORT_TEXT_TOKENS = 256
 
 @pytest.fixture(scope="module")
 def engine():
-    """The BF16 model as the demo gate starts it (its engine settings come from the demo config)."""
+    """The BF16 model with the demo config's engine settings, its core in vLLM's child process:
+    an in-process core would fix vLLM's environment for the rest of this test session."""
     started = Engine(load_config(DEMO_CONFIG).baseline, max_logprobs=-1)
     yield started
     started.shutdown()
