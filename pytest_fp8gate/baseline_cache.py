@@ -317,6 +317,6 @@ def _restore(stored: dict[str, Any], root: Path, measurements: Measurements, ent
     result = ModelResult(measurements.config.baseline, _restore_pass(stored["main"], root), stored["start_s"],
                          stored["kv_cache_tokens"], stored["vocab_size"], latency)
     record = BaselineRecord(result, {label: _restore_pass(p, root) for label, p in stored["noise"].items()},
-                            stored["chunks"], stored["id_scoring_refusal"], stored["engine_runs"])
+                            stored["chunks"], stored["id_scoring_refusal"], stored["engine_runs"], cached=True)
     record.origin = f"from the baseline cache: {entry} (measured {record.measured_at}; no baseline engine started)"
     return record

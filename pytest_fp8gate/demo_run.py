@@ -26,7 +26,11 @@ def demo_config_text(plants: dict[str, Path]) -> str:
 
 
 def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str]) -> int:
-    """Write the demo config (and plants) under ``workdir`` and run pytest on it."""
+    """Write the demo config (and plants) under ``workdir`` and run pytest on it.
+
+    The markdown report and its plots go to ``workdir/report.md`` unless
+    ``pytest_args`` name another ``--fp8gate-report`` (the last one wins).
+    """
     import pytest
 
     from .atomic import atomic_write_text
@@ -42,7 +46,8 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str]) -> i
     config_path = workdir / "thresholds.toml"
     atomic_write_text(config_path, demo_config_text(plants))
     args = [str(config_path), "--fp8gate-config", str(config_path), "--rootdir", str(workdir),
-            "--fp8gate-artifacts", str(workdir / "artifacts"), "-p", "no:cacheprovider", "-rfEs", *pytest_args]
+            "--fp8gate-artifacts", str(workdir / "artifacts"), "--fp8gate-report", str(workdir / "report.md"),
+            "-p", "no:cacheprovider", "-rfEs", *pytest_args]
     return int(pytest.main(args))
 
 
@@ -58,7 +63,7 @@ def add_demo_command(subparsers: Any) -> None:
     parser.add_argument("--plant", action="append", default=[], choices=sorted(PLANT_KINDS),
                         help="Add a planted regression as a candidate (repeatable)")
     parser.add_argument("--workdir", type=Path, default=Path("fp8gate-demo"),
-                        help="Where the config, plants and artifacts go (default: ./fp8gate-demo)")
+                        help="Where the config, plants, artifacts and report.md go (default: ./fp8gate-demo)")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="Arguments passed on to pytest")
     parser.set_defaults(run=lambda args: run_demo(args.plant, args.workdir,
                                                   [a for a in args.pytest_args if a != "--"]))

@@ -94,6 +94,7 @@ class BaselineRecord:
     id_scoring_refusal: str | None
     engine_runs: list[dict[str, Any]]
     origin: str = "measured in this session"  # for the report: measured, or which cache entry
+    cached: bool = False  # restored from the baseline cache: no baseline engine ran in this session
 
     @property
     def measured_at(self) -> str | None:
@@ -148,6 +149,10 @@ class Measurements:
             self._once(name, lambda: self._candidates.__setitem__(
                 name, self._measure_model(spec, self.needs.get(name, Needs()))))
         return self._candidates[name]
+
+    def measured_candidates(self) -> dict[str, ModelResult]:
+        """The candidates measured so far (asking measures nothing)."""
+        return dict(self._candidates)
 
     def _once(self, name: str, measure: Callable[[], None]) -> None:
         """Measure a model at most once: a failure is re-raised to every later rule, never retried."""
