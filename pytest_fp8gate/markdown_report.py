@@ -260,8 +260,6 @@ def _provenance_lines(data: ReportData) -> list[str]:
     p = data.provenance
     environment = p.get("environment", {})
     lines = ["## Provenance", ""]
-    if data.baseline is not None:
-        lines += [f"Baseline {data.config.baseline.name}: {data.baseline.origin}.", ""]
     versions = environment.get("versions", {})
     lines += table(("component", "version"), [(k, v or "not installed") for k, v in versions.items()]
                    + [("python", environment.get("python", "?"))])
