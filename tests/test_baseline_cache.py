@@ -161,3 +161,23 @@ def test_two_concurrent_runs_leave_one_valid_entry(gate: Path, tmp_path: Path):
     entry = only_entry(tmp_path / "cache")
     verify(entry, json.loads((entry / "key.json").read_text()))
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith((".staging", ".trash"))]
+
+
+def test_update_baseline_without_a_cache_is_a_usage_error(pytester: pytest.Pytester):
+    result = pytester.runpytest("--fp8gate-update-baseline")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--fp8gate-update-baseline needs a cache: --fp8gate-baseline-cache DIR*"])
+
+
+def test_cache_and_report_options_from_the_ini_file(pytester: pytest.Pytester):
+    pytester.makeini("[pytest]\nfp8gate_baseline_cache = ci/cache\nfp8gate_report = out/gate.md\n")
+    pytester.makepyfile("""
+        from pytest_fp8gate.options import SETTINGS_KEY
+
+        def test_settings(pytestconfig):
+            settings = pytestconfig.stash[SETTINGS_KEY]
+            assert settings.baseline_cache == pytestconfig.rootpath / "ci" / "cache"
+            assert settings.report == pytestconfig.rootpath / "out" / "gate.md"
+            assert not settings.update_baseline
+    """)
+    pytester.runpytest().assert_outcomes(passed=1)
