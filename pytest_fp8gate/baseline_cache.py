@@ -61,7 +61,9 @@ def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, An
             "chunk_tokens": probabilities.chunk_tokens, "top_k": probabilities.top_k,
         },
         "tasks": [provenance.task_fingerprint(t) for t in config.tasks if t.name in needs.tasks],
-        "speed": dataclasses.asdict(speed) if speed is not None and needs.speed else None,
+        # What is measured, not the limit or the bandwidth it is judged against.
+        "speed": {name: getattr(speed, name) for name in ("input_len", "output_len", "batch_size", "warmup_iters",
+                                                          "iters")} if speed is not None and needs.speed else None,
     }
 
 
@@ -121,7 +123,12 @@ class BaselineCache:
                     why = f"entry not reused: {err}"
             self.announce(f"fp8gate: baseline cache miss for {name} ({why}); measuring")
             record = measure()
-            self.store(entry, key, record, measurements.artifacts / name)
+            try:
+                self.store(entry, key, record, measurements.artifacts / name)
+            except OSError as err:  # a full or read-only cache costs the next run time, not this run's verdicts
+                self.announce(f"fp8gate: the baseline was not stored in the cache: {err}")
+                record.origin = f"measured in this session; storing it in the baseline cache failed: {err}"
+                return record
             record.origin = f"measured in this session and stored in the baseline cache: {entry} ({why})"
             return record
 

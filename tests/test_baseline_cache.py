@@ -181,3 +181,25 @@ def test_cache_and_report_options_from_the_ini_file(pytester: pytest.Pytester):
             assert not settings.update_baseline
     """)
     pytester.runpytest().assert_outcomes(passed=1)
+
+
+def test_a_failed_store_keeps_this_runs_baseline(gate: Path, tmp_path: Path, lines: list[str],
+                                                monkeypatch: pytest.MonkeyPatch):
+    def full_disk(*args) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(BaselineCache, "store", full_disk)
+    record, measured = fetch(gate, tmp_path / "cache", tmp_path / "run1", lines)
+    assert measured and "storing it in the baseline cache failed" in record.origin
+    assert "not stored in the cache: [Errno 28] No space left on device" in lines[-1]
+
+
+def test_speed_limits_are_not_part_of_the_key(gate: Path, tmp_path: Path):
+    gate.write_text(gate.read_text() + "\n[speed]\nmin_fraction_of_ceiling = 0.8\nbandwidth_gbps = 100\n")
+    measurements = make_measurements(gate, tmp_path / "a")
+    settings, model = measurements.engine_settings(), measurements.fingerprint(measurements.config.baseline)
+    key = baseline_key(measurements.config, Needs(speed=True), settings, model)
+    gate.write_text(gate.read_text().replace("min_fraction_of_ceiling = 0.8", "min_fraction_of_ceiling = 0.5"))
+    again = make_measurements(gate, tmp_path / "a")
+    assert baseline_key(again.config, Needs(speed=True), settings, model) == key
+    assert key["speed"] == {"input_len": 1000, "output_len": 256, "batch_size": 1, "warmup_iters": 3, "iters": 10}
