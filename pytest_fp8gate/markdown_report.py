@@ -20,6 +20,7 @@ from .config import GateConfig, TaskSpec
 from .dumps import read_lm_eval_generations
 from .gate import Case, Verdict
 from .measure import PASS_DESCRIPTIONS, BaselineRecord, ModelResult
+from .options import display_path
 from .statistics import AnswerComparison, FlippedAnswer, compare_answers
 
 FLIPS_SHOWN = 20  # per candidate and task; the recompute command lists them all
@@ -71,14 +72,7 @@ def noise_floor_text(verdict: Verdict) -> str:
 
 
 def _command(*words: Any) -> str:
-    return " ".join(shlex.quote(str(_display(w)) if isinstance(w, Path) else str(w)) for w in words)
-
-
-def _display(path: Path) -> Path:
-    try:
-        return path.relative_to(Path.cwd())
-    except ValueError:
-        return path
+    return " ".join(shlex.quote(str(display_path(w)) if isinstance(w, Path) else str(w)) for w in words)
 
 
 def first_divergence(base: str, cand: str) -> str:
@@ -108,7 +102,8 @@ class _Candidate:
     def lines(self) -> list[str]:
         unjudged = [(case, why) for case, why in self.data.unjudged if case.candidate == self.name]
         failed = [v for v in self.verdicts if not v.passed]
-        state = "FAIL" if failed or any(why.startswith("error") for _, why in unjudged) else "pass"
+        errors = any(why.startswith("error") for _, why in unjudged)
+        state = "FAIL" if failed or errors else "pass" if self.verdicts else "not judged"
         lines = [f"## {self.name}: {state}", ""]
         if self.result is not None:
             lines += [f"{self.result.spec.model}, quantization={self.result.spec.quantization}", ""]
@@ -320,7 +315,7 @@ def render(data: ReportData, plot_dir: Path | None, stem: str = "fp8gate") -> Re
         body += [f"Plots: not drawn: matplotlib is not installed ({plots.INSTALL_HINT}).", ""]
     markdown = "\n".join(head + body + _provenance_lines(data))
     # The step summary cannot show files of the runner: name where each plot is instead.
-    summary = _IMAGE.sub(lambda m: f"Plot {m[1]}: {_display((plot_dir or Path()) / m[2])}", markdown)
+    summary = _IMAGE.sub(lambda m: f"Plot {m[1]}: {display_path((plot_dir or Path()) / m[2])}", markdown)
     if len(summary.encode()) > SUMMARY_LIMIT:
         summary = summary.encode()[:SUMMARY_LIMIT - 200].decode(errors="ignore") + \
             "\n\n… cut at GitHub's 1 MiB step-summary limit; the full report is the --fp8gate-report file.\n"
