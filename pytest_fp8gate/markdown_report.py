@@ -110,10 +110,12 @@ class _Candidate:
         rows = [(v.outcome.rule, v.case.task or "-", _number(v.outcome.measured), noise_floor_text(v),
                  _number(v.outcome.limit), f"{v.outcome.margin:+.6g}", "pass" if v.passed else "**FAIL**")
                 for v in self.verdicts]
-        rows += [(case.rule, case.task or "-", "-", "-", "-", "-", why) for case, why in unjudged]
         if rows:
             lines += table(("rule", "task", "measured", "noise floor", "threshold", "margin", "result"), rows)
             lines.append("")
+        # Outside the table: a skip reason is a sentence, and would make every row that wide.
+        lines += [f"Not judged: {case.rule}{f' on {case.task}' if case.task else ''}: {why}" for case, why in unjudged]
+        lines += [""] if unjudged else []
         lines += self.speed_lines() + [""]
         for task in self.data.config.tasks:
             lines += self.flip_lines(task)
