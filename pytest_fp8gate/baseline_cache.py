@@ -50,21 +50,35 @@ def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, An
     speed = config.speed
     return {
         "format": FORMAT,
-        "model": model,
+        "model": _portable_model(model),
         "engine": {"kwargs": config.baseline.engine, **engine_settings},
         "versions": environment["versions"],
         "devices": devices,
         "noise_passes": list(config.noise.passes),
         "needs": {"probabilities": needs.probabilities, "tasks": sorted(needs.tasks), "speed": needs.speed},
         "probabilities": None if probabilities is None or not needs.probabilities else {
-            "corpus": provenance.corpus_fingerprint(probabilities.corpus), "chunks": probabilities.chunks,
+            "corpus": _without(provenance.corpus_fingerprint(probabilities.corpus), "file"),
+            "chunks": probabilities.chunks,
             "chunk_tokens": probabilities.chunk_tokens, "top_k": probabilities.top_k,
         },
-        "tasks": [provenance.task_fingerprint(t) for t in config.tasks if t.name in needs.tasks],
+        "tasks": [_without(provenance.task_fingerprint(t), "include_path") for t in config.tasks
+                  if t.name in needs.tasks],
         # What is measured, not the limit or the bandwidth it is judged against.
         "speed": {name: getattr(speed, name) for name in ("input_len", "output_len", "batch_size", "warmup_iters",
                                                           "iters")} if speed is not None and needs.speed else None,
     }
+
+
+# Local files are keyed by their content, not where they are, so that a cache (or a committed
+# directory) serves checkouts at other paths.
+def _without(fingerprint: dict[str, Any], name: str) -> dict[str, Any]:
+    return {k: v for k, v in fingerprint.items() if k != name}
+
+
+def _portable_model(model: dict[str, Any]) -> dict[str, Any]:
+    if model.get("weights_sha256") and Path(model["model"]).is_dir():
+        return dict(model, model=f"local checkpoint {Path(model['model']).name}")
+    return model
 
 
 def key_digest(key: dict[str, Any]) -> str:

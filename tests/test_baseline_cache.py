@@ -203,3 +203,11 @@ def test_speed_limits_are_not_part_of_the_key(gate: Path, tmp_path: Path):
     again = make_measurements(gate, tmp_path / "a")
     assert baseline_key(again.config, Needs(speed=True), settings, model) == key
     assert key["speed"] == {"input_len": 1000, "output_len": 256, "batch_size": 1, "warmup_iters": 3, "iters": 10}
+
+
+def test_a_checkout_at_another_path_reuses_the_entry(gate: Path, tmp_path: Path, lines: list[str]):
+    fetch(gate, tmp_path / "cache", tmp_path / "run1", lines)
+    moved = tmp_path / "elsewhere"
+    gate.parent.rename(moved)
+    _, measured = fetch(moved / "thresholds.toml", tmp_path / "cache", tmp_path / "run2", lines)
+    assert not measured
