@@ -143,3 +143,40 @@ def test_rule_numbers_land_in_junit_properties(pytester: pytest.Pytester, family
         "fp8gate.row.threshold": "4.0", "fp8gate.row.margin": "3.0"}
     assert cases["test_kl"]["fp8gate.passed"] == "False"
     assert cases["test_kl"]["fp8gate.measured"] == "0.02" and cases["test_kl"]["fp8gate.noise_floor"] == "0.001"
+
+
+SESSION_TEST = """
+from pytest_fp8gate import rules
+from pytest_fp8gate.config import load_config
+from pytest_fp8gate.fixtures import VERDICTS_KEY, GateSession
+from pytest_fp8gate.gate import Case, Verdict
+
+def test_rule(pytestconfig, tmp_path):
+    # What the fp8gate fixture and GateSession.enforce leave behind, without an engine.
+    GateSession(pytestconfig, load_config({config!r}), tmp_path)
+    verdict = Verdict(Case("mean_kl", "fp8"), rules.at_most("mean_kl", 0.002, 0.01, 0.001))
+    pytestconfig.stash.setdefault(VERDICTS_KEY, []).append(verdict)
+"""
+
+
+def test_the_report_is_written_at_session_end(pytester: pytest.Pytester, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    pytester.makepyfile(SESSION_TEST.format(config=str(write_gate(tmp_path / "gate"))))
+    result = pytester.runpytest("--fp8gate-report", "out/gate.md")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["fp8gate report: out/gate.md"])
+    text = (pytester.path / "out" / "gate.md").read_text()
+    assert "| mean_kl | -    | 0.002    | 0.001       | 0.01      | +0.008 | pass   |" in text
+    assert "## fp8: pass" in text and "## Provenance" in text
+
+
+def test_a_report_that_cannot_be_written_warns_and_keeps_the_exit_status(pytester: pytest.Pytester,
+                                                                         tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    pytester.makepyfile(SESSION_TEST.format(config=str(write_gate(tmp_path / "gate"))))
+    (pytester.path / "blocked").write_text("a file where the report's directory should be")
+    result = pytester.runpytest("--fp8gate-report", "blocked/gate.md")
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(["fp8gate: the markdown report was not written: FileExistsError: *blocked*"])
