@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,7 @@ def key_digest(key: dict[str, Any]) -> str:
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    items: Iterable[tuple[Any, Any]]
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list):

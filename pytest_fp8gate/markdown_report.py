@@ -303,7 +303,7 @@ def render(data: ReportData, plot_dir: Path | None, stem: str = "fp8gate") -> Re
     if data.baseline is not None:
         head += [f"Baseline {config.baseline.name}: {data.baseline.origin}.", ""]
     if data.baseline is not None and data.baseline.noise:
-        head += [f"Noise floor passes: " + "; ".join(f"{label}: {PASS_DESCRIPTIONS.get(label, label)}"
+        head += ["Noise floor passes: " + "; ".join(f"{label}: {PASS_DESCRIPTIONS.get(label, label)}"
                                                     for label in data.baseline.noise), ""]
     body: list[str] = []
     drawn: list[Path] = []

@@ -110,7 +110,7 @@ class Measurements:
         artifacts: Path,
         needs: dict[str, Needs],
         announce: Callable[[str], None],
-        baseline_cache: "BaselineCache | None" = None,
+        baseline_cache: BaselineCache | None = None,
     ) -> None:
         self.config = config
         self.artifacts = artifacts

@@ -73,7 +73,7 @@ def _nvidia_smi() -> tuple[list[str], str | None]:
         return [], None
     try:
         done = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=_SMI_TIMEOUT_S)
+                              capture_output=True, text=True, timeout=_SMI_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return [], None
     if done.returncode != 0:

@@ -11,14 +11,20 @@ import json
 import struct
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from pytest_fp8gate.config import GateConfig, load_config
 from pytest_fp8gate.dumps import write_lm_eval_samples, write_logprob_dump
-from pytest_fp8gate.measure import BaselineRecord, Measurements, ModelResult, Needs, PassResult
+from pytest_fp8gate.measure import (
+    BaselineRecord,
+    Measurements,
+    ModelResult,
+    Needs,
+    PassResult,
+)
 from pytest_fp8gate.statistics import LogprobRun
 
 VOCAB = 8

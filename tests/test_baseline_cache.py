@@ -8,10 +8,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from baseline_fakes import TASK, fake_baseline, make_measurements, write_gate
+
 from pytest_fp8gate import provenance
-from pytest_fp8gate.baseline_cache import BaselineCache, CacheEntryError, baseline_key, verify
+from pytest_fp8gate.baseline_cache import (
+    BaselineCache,
+    CacheEntryError,
+    baseline_key,
+    verify,
+)
 from pytest_fp8gate.measure import Needs
 
 NEEDS = Needs(probabilities=True, tasks=frozenset([TASK]))

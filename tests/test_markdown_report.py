@@ -4,8 +4,16 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from baseline_fakes import (
+    TASK,
+    fake_baseline,
+    logprob_run,
+    make_measurements,
+    sample_rows,
+    write_gate,
+    write_pass,
+)
 
-from baseline_fakes import TASK, fake_baseline, logprob_run, make_measurements, sample_rows, write_gate, write_pass
 from pytest_fp8gate import markdown_report, plots, rules
 from pytest_fp8gate.engine import Latency
 from pytest_fp8gate.gate import Case, Verdict
@@ -51,8 +59,7 @@ def test_report_tables_flips_commands_and_provenance(data: ReportData, tmp_path:
     assert "| batch-order 0.9333, fp16 0.9 |" in text  # the accuracy rule's floor: the noise passes' accuracy
     assert "\nNot judged: speed: skipped: no memory-bandwidth figure for the CPU engine\n" in text
     # Every row of a table is padded to the same width: it reads as plain text.
-    table_lines = [line for line in text.splitlines() if line.startswith("| rule") or line.startswith("|-")
-                   or line.startswith("| flips") or line.startswith("| mean_kl")][:4]
+    table_lines = [line for line in text.splitlines() if line.startswith(("| rule", "|-", "| flips", "| mean_kl"))][:4]
     assert len({len(line) for line in table_lines}) == 1
     assert "Speed: decode 182.1 tok/s at batch 1, 1000 tokens in, 256 out, median of 10 " \
            "(baseline 134.2 tok/s, 1.36x)." in text
