@@ -1,8 +1,8 @@
 """Where a measurement came from: software versions, devices, weights, inputs, engine runs.
 
 Everything here is cheap: weights are fingerprinted by their safetensors headers
-and file sizes (not their bytes), devices are read from nvidia-smi or
-/proc/cpuinfo. The same facts go into every artifact, the report, and the key
+and file sizes (not their bytes), the visible GPUs come from hardware.probe_cuda
+(nvidia-smi, torch as fallback), the CPU model from /proc/cpuinfo. The same facts go into every artifact, the report, and the key
 of the baseline cache.
 """
 
@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from . import hardware
 from .config import DatasetCorpus, FileCorpus, ModelSpec, TaskSpec
 
 # Distribution names to ask for each component; the first one installed wins.
@@ -52,10 +53,10 @@ def versions() -> dict[str, str | None]:
 
 @functools.cache
 def devices() -> dict[str, Any]:
-    """The GPUs (names and driver, from nvidia-smi) or, without one, the CPU model and cores."""
-    gpus, driver = _nvidia_smi()
+    """The visible GPUs (their names, so their count, and the driver) or, without one, the CPU model and cores."""
+    gpus = hardware.probe_cuda().names
     if gpus:
-        return {"kind": "cuda", "gpus": gpus, "driver": driver,
+        return {"kind": "cuda", "gpus": list(gpus), "driver": _driver(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"kind": "cpu", "cpu": _cpu_model(), "cores": cores, "machine": platform.machine()}
@@ -67,20 +68,18 @@ def environment() -> dict[str, Any]:
     return {"versions": versions(), "python": platform.python_version(), "devices": devices()}
 
 
-def _nvidia_smi() -> tuple[list[str], str | None]:
+def _driver() -> str | None:
+    """The NVIDIA driver version (one per host), or None where nvidia-smi cannot say."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return [], None
+        return None
     try:
-        done = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+        done = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
                               capture_output=True, text=True, timeout=_SMI_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired):
-        return [], None
-    if done.returncode != 0:
-        return [], None
-    rows = [[part.strip() for part in line.rsplit(",", 1)] for line in done.stdout.splitlines() if "," in line]
-    # CUDA_VISIBLE_DEVICES selects among these; hardware.probe_cuda applies it for the names the gate uses.
-    return [name for name, _ in rows], rows[0][1] if rows else None
+        return None
+    lines = done.stdout.split()
+    return lines[0] if done.returncode == 0 and lines else None
 
 
 def _cpu_model() -> str:

@@ -216,3 +216,29 @@ def test_a_checkout_at_another_path_reuses_the_entry(gate: Path, tmp_path: Path,
     gate.parent.rename(moved)
     _, measured = fetch(moved / "thresholds.toml", tmp_path / "cache", tmp_path / "run2", lines)
     assert not measured
+
+
+@pytest.fixture
+def uncached_environment():
+    """provenance's per-process caches emptied before and after (a faked device must not leak)."""
+    def clear() -> None:
+        provenance.devices.cache_clear()
+        provenance.environment.cache_clear()
+
+    clear()
+    yield clear
+    clear()
+
+
+def test_the_key_names_the_visible_gpus(gate: Path, tmp_path: Path, fake_gpus, monkeypatch: pytest.MonkeyPatch,
+                                        uncached_environment):
+    measurements = make_measurements(gate, tmp_path / "a")
+    settings, model = measurements.engine_settings(), measurements.fingerprint(measurements.config.baseline)
+    monkeypatch.setattr(provenance, "_driver", lambda: "580.65")
+    keys = []
+    for names in (("NVIDIA H100 80GB HBM3",), ("NVIDIA H100 80GB HBM3",) * 2, ("NVIDIA L40S",)):
+        fake_gpus(*names)
+        uncached_environment()
+        keys.append(baseline_key(measurements.config, NEEDS, settings, model))
+    assert keys[0]["devices"] == {"kind": "cuda", "gpus": ["NVIDIA H100 80GB HBM3"], "driver": "580.65"}
+    assert len({json.dumps(key, sort_keys=True) for key in keys}) == 3  # the count and the name both count
