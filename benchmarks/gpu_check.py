@@ -51,7 +51,7 @@ Q8_0_LIMITS = {"min_same_top": 0.97674, "max_rms_dp": 0.01198, "max_mean_kl": 0.
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("/root/fp8gate-gpu-check"))
-    parser.add_argument("--parts", default="demo,shape", help="Comma-separated: demo, shape")
+    parser.add_argument("--parts", default="shape,demo", help="Comma-separated: shape, demo")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--chunks", type=int, default=100)
@@ -64,14 +64,22 @@ def main() -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     lines = [f"fp8gate gpu-check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {_versions()}"]
     parts = set(args.parts.split(","))
-    if "demo" in parts:
-        lines += _demo(args)
+    # The real-size shape first: it is what the demo cannot show.
     if "shape" in parts:
         lines += _shape(args)
-    summary = "\n".join(lines)
-    (args.workdir / "summary.txt").write_text(summary + "\n", encoding="utf-8")
+        _write_summary(args.workdir, lines)
+    if "demo" in parts:
+        lines += _demo(args)
+    summary = _write_summary(args.workdir, lines)
     print("\n===== fp8gate gpu-check summary =====\n" + summary)
     return 0
+
+
+def _write_summary(workdir: Path, lines: list[str]) -> str:
+    """The summary so far, on disk after each part so an interrupted run still leaves one."""
+    summary = "\n".join(lines)
+    (workdir / "summary.txt").write_text(summary + "\n", encoding="utf-8")
+    return summary
 
 
 def _versions() -> str:

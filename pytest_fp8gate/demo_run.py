@@ -58,7 +58,11 @@ def demo_checkpoints(source: Path, directory: Path) -> dict[str, Path]:
 
 
 def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda: bool = False) -> int:
-    """Write the demo config (checkpoints, plants) under ``workdir`` and run pytest on it."""
+    """Write the demo config (checkpoints, plants) under ``workdir`` and run pytest on it.
+
+    The markdown report and its plots go to ``workdir/report.md`` unless
+    ``pytest_args`` name another ``--fp8gate-report`` (the last one wins).
+    """
     import pytest
 
     from .atomic import atomic_write_text
@@ -74,7 +78,8 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda
     config_path = workdir / "thresholds.toml"
     atomic_write_text(config_path, demo_config_text(plants, demo_checkpoints(source, workdir / "checkpoints"), cuda))
     args = [str(config_path), "--fp8gate-config", str(config_path), "--rootdir", str(workdir),
-            "--fp8gate-artifacts", str(workdir / "artifacts"), "-p", "no:cacheprovider", "-rfEs", *pytest_args]
+            "--fp8gate-artifacts", str(workdir / "artifacts"), "--fp8gate-report", str(workdir / "report.md"),
+            "-p", "no:cacheprovider", "-rfEs", *pytest_args]
     return int(pytest.main(args))
 
 
@@ -90,7 +95,7 @@ def add_demo_command(subparsers: Any) -> None:
     parser.add_argument("--plant", action="append", default=[], choices=sorted(PLANT_KINDS),
                         help="Add a planted regression as a candidate (repeatable)")
     parser.add_argument("--workdir", type=Path, default=Path("fp8gate-demo"),
-                        help="Where the config, plants and artifacts go (default: ./fp8gate-demo)")
+                        help="Where the config, plants, artifacts and report.md go (default: ./fp8gate-demo)")
     parser.add_argument("--cuda", action="store_true",
                         help="Run on a CUDA GPU with CUDA graphs; the speed rule is judged against its bandwidth")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="Arguments passed on to pytest")

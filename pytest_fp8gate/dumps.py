@@ -26,6 +26,7 @@ from .statistics import AnswerRecord, LogprobRun
 
 __all__ = [
     "DumpFormatError",
+    "read_lm_eval_generations",
     "read_lm_eval_samples",
     "read_logprob_dump",
     "read_logprob_metadata",
@@ -182,6 +183,21 @@ def read_lm_eval_samples(
             path, f"{_SAMPLES_FORMAT} with filter {filter_name!r} (filters present: {seen})"
         )
     return records
+
+
+def read_lm_eval_generations(path: PathLike, filter_name: str) -> dict[Any, str]:
+    """The raw generated text (``resps``, before any filter) of each doc under one filter."""
+    generations = {}
+    with open(path, "rb") as handle:
+        for line in handle:
+            row = json.loads(line) if line.strip() else None
+            if isinstance(row, dict) and row.get("filter") == filter_name:
+                resps = row.get("resps")
+                # One request per doc for generate_until tasks: [[text]].
+                while isinstance(resps, list) and len(resps) == 1:
+                    resps = resps[0]
+                generations[row.get("doc_id")] = resps if isinstance(resps, str) else json.dumps(resps)
+    return generations
 
 
 def _answer_record(

@@ -86,6 +86,7 @@ class Engine:
         started = time.perf_counter()
         log.warning("fp8gate: starting engine for %s (%s)", spec.name, _describe(kwargs))
         self.spec = spec
+        self.kwargs = kwargs  # as they reached vLLM, for the provenance record
         self.llm = LLM(**kwargs)
         self.start_s = time.perf_counter() - started
         self.tokenizer = self.llm.get_tokenizer()

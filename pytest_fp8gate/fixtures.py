@@ -14,6 +14,7 @@ from .options import CONFIG_KEY, SETTINGS_KEY
 NEEDS_KEY = pytest.StashKey[dict[str, Needs]]()
 VERDICTS_KEY = pytest.StashKey[list[Verdict]]()
 VERDICT_KEY = pytest.StashKey[Verdict]()  # on each rule item, for the JSON report
+SESSION_KEY = pytest.StashKey["GateSession"]()  # for the report written at session end
 
 
 class GateSession:
@@ -30,10 +31,17 @@ class GateSession:
             with capture.global_and_fixture_disabled():
                 reporter.write_line(line)
 
+        settings = config.stash[SETTINGS_KEY]
+        cache = None
+        if settings.baseline_cache is not None:
+            from .baseline_cache import BaselineCache
+
+            cache = BaselineCache(settings.baseline_cache, settings.update_baseline, announce)
         self.config = config
         self.artifacts = artifacts
-        self.measurements = Measurements(gate_config, artifacts, config.stash.get(NEEDS_KEY, {}), announce)
+        self.measurements = Measurements(gate_config, artifacts, config.stash.get(NEEDS_KEY, {}), announce, cache)
         self.gate = Gate(gate_config, self.measurements)
+        config.stash[SESSION_KEY] = self
 
     def evaluate(self, case: Case) -> Verdict:
         return self.gate.evaluate(case)

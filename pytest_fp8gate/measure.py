@@ -13,19 +13,24 @@ import contextlib
 import dataclasses
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import capabilities as capabilities_mod
 from . import corpus as corpus_mod
-from . import hardware
+from . import hardware, provenance
 from .capabilities import EngineCapabilities
 from .atomic import atomic_write_text
 from .config import GateConfig, ModelSpec, TaskSpec
 from .dumps import read_lm_eval_samples, write_lm_eval_samples, write_logprob_dump
 from .engine import FULL_VOCAB_LIMIT, Engine, IdScoringUnavailable, Latency
 from .statistics import AnswerRecord, LogprobRun
+
+if TYPE_CHECKING:
+    from .baseline_cache import BaselineCache
 
 # The noise pass re-runs the baseline in reverse order in small fixed batches, so
 # the engine sees different batch compositions than in the main pass; prompts the
@@ -81,6 +86,23 @@ class ModelResult:
     latency: Latency | None = None
 
 
+@dataclass
+class BaselineRecord:
+    """Everything measured of the baseline: what the baseline cache stores and restores."""
+
+    result: ModelResult
+    noise: dict[str, PassResult]
+    chunks: list[list[int]]
+    id_scoring_refusal: str | None
+    engine_runs: list[dict[str, Any]]
+    origin: str = "measured in this session"  # for the report: measured, or which cache entry
+    cached: bool = False  # restored from the baseline cache: no baseline engine ran in this session
+
+    @property
+    def measured_at(self) -> str | None:
+        return self.engine_runs[0]["started_at"] if self.engine_runs else None
+
+
 class Measurements:
     """Lazily measured results of the baseline, its noise passes and the candidates."""
 
@@ -90,12 +112,17 @@ class Measurements:
         artifacts: Path,
         needs: dict[str, Needs],
         announce: Callable[[str], None],
+        baseline_cache: BaselineCache | None = None,
     ) -> None:
         self.config = config
         self.artifacts = artifacts
         self.needs = needs
         self.announce = announce
         self.engine_starts: dict[str, int] = {}
+        self.baseline_cache = baseline_cache
+        self.baseline_record: BaselineRecord | None = None
+        self.engine_runs: list[dict[str, Any]] = []  # start time, duration and settings of each engine
+        self._fingerprints: dict[str, dict[str, Any]] = {}
         self._baseline: ModelResult | None = None
         self._noise: dict[str, PassResult] = {}
         self._candidates: dict[str, ModelResult] = {}
@@ -128,6 +155,10 @@ class Measurements:
                 name, self._measure_model(spec, self.needs.get(name, Needs()))))
         return self._candidates[name]
 
+    def measured_candidates(self) -> dict[str, ModelResult]:
+        """The candidates measured so far (asking measures nothing)."""
+        return dict(self._candidates)
+
     def _once(self, name: str, measure: Callable[[], None]) -> None:
         """Measure a model at most once: a failure is re-raised to every later rule, never retried."""
         if name in self._failures:
@@ -143,10 +174,12 @@ class Measurements:
 
     @contextlib.contextmanager
     def _running(self, spec: ModelSpec, label: str, dtype: str | None = None) -> Iterator[Engine]:
-        """A started engine for ``spec``, shut down on leaving; free GPU memory is
-        recorded before the start, while it runs and after the shutdown."""
+        """A started engine for ``spec``, shut down on leaving. Its start time, duration and
+        settings are recorded, and free GPU memory before the start, while it runs and after
+        the shutdown."""
         self.engine_starts[label] = self.engine_starts.get(label, 0) + 1
         self.announce(f"fp8gate: engine start: {label} ({spec.model}, quantization={spec.quantization})")
+        started_at, started = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
         memory = {"before_start": hardware.cuda_free_memory_mib()}
         engine = Engine(spec, max_logprobs=self._max_logprobs(), dtype=dtype,
                         in_process=self.config.deterministic_scheduling)
@@ -158,10 +191,40 @@ class Measurements:
         try:
             yield engine
         finally:
+            facts = provenance.engine_facts(engine.llm)  # read before shutdown drops the engine
             engine.shutdown()
             memory["after_shutdown"] = hardware.cuda_free_memory_mib()
             self.gpu_free_mib[label] = memory
             atomic_write_text(self.artifacts / "gpu_memory.json", json.dumps(self.gpu_free_mib, indent=1))
+            self.engine_runs.append({"label": label, "name": spec.name, "started_at": started_at,
+                                     "duration_s": round(time.perf_counter() - started, 3),
+                                     "startup_s": round(engine.start_s, 3), "kwargs": engine.kwargs,
+                                     "vllm": facts, "capabilities": engine.capabilities.as_dict(),
+                                     "gpu_free_mib": memory})
+
+    def engine_settings(self) -> dict[str, Any]:
+        """Settings of the baseline's engines that come from the gate rather than the thresholds file."""
+        return {"max_logprobs": self._max_logprobs(), "full_vocab": self._full_vocab_wanted(),
+                "in_process": self.config.deterministic_scheduling, "noise_batch_size": NOISE_BATCH_SIZE,
+                "fp16_dtype": "float16"}
+
+    def fingerprint(self, spec: ModelSpec) -> dict[str, Any]:
+        """Model id, revision and weights hash, computed once per model."""
+        if spec.name not in self._fingerprints:
+            self._fingerprints[spec.name] = provenance.model_fingerprint(spec)
+        return self._fingerprints[spec.name]
+
+    def provenance(self, spec: ModelSpec) -> dict[str, Any]:
+        """Where one model's artifacts came from (its engines so far included)."""
+        probabilities = self.config.probabilities
+        return {"environment": provenance.environment(), "model": self.fingerprint(spec),
+                "inputs": provenance.inputs(probabilities.corpus if probabilities else None, self.config.tasks),
+                "lm_eval_seeds": provenance.lm_eval_seeds() if self.config.tasks else None,
+                "engine_runs": [run for run in self.engine_runs if run["name"] == spec.name]}
+
+    def _write_provenance(self, spec: ModelSpec) -> None:
+        atomic_write_text(self.artifacts / spec.name / "provenance.json",
+                          json.dumps(self.provenance(spec), indent=1, default=str))
 
     def _max_logprobs(self) -> int:
         probs = self.config.probabilities
@@ -184,6 +247,16 @@ class Measurements:
         return total
 
     def _measure_baseline(self) -> None:
+        # The seam of the baseline cache: it returns a stored record, or measures one and stores it.
+        if self.baseline_cache is None:
+            record = self._measure_baseline_engines()
+        else:
+            record = self.baseline_cache.fetch(self, self._all_needs(), self._measure_baseline_engines)
+        self._baseline, self._noise, self._chunks = record.result, record.noise, record.chunks
+        self.id_scoring_refusal = record.id_scoring_refusal
+        self.baseline_record = record
+
+    def _measure_baseline_engines(self) -> BaselineRecord:
         spec, needs = self.config.baseline, self._all_needs()
         with self._running(spec, spec.name) as engine:
             if needs.probabilities:
@@ -197,10 +270,15 @@ class Measurements:
         if FP16_PASS in self.config.noise.passes:
             with self._running(spec, f"{spec.name}-fp16", dtype="float16") as engine:
                 self._noise[FP16_PASS] = self._passes(engine, spec, needs, FP16_PASS)
+        self._write_provenance(spec)
+        return BaselineRecord(self._baseline, dict(self._noise), self._chunks, self.id_scoring_refusal,
+                              [run for run in self.engine_runs if run["name"] == spec.name])
 
     def _measure_model(self, spec: ModelSpec, needs: Needs) -> ModelResult:
         with self._running(spec, spec.name) as engine:
-            return self._measure_with(engine, spec, needs)
+            result = self._measure_with(engine, spec, needs)
+        self._write_provenance(spec)
+        return result
 
     def _measure_with(self, engine: Engine, spec: ModelSpec, needs: Needs) -> ModelResult:
         main = self._passes(engine, spec, needs, "main")
@@ -208,7 +286,7 @@ class Measurements:
         if needs.speed and self.config.speed is not None:
             s = self.config.speed
             result.latency = engine.latency(s.input_len, s.output_len, s.batch_size, s.warmup_iters, s.iters)
-        self._write_engine_facts(spec.name, result, engine.capabilities)
+        self._write_engine_facts(spec.name, result, engine)
         return result
 
     def _passes(
@@ -234,7 +312,8 @@ class Measurements:
             run = self._with_base_ids(engine, run)
             result.logprobs_path = directory / "logprobs.npz"
             write_logprob_dump(result.logprobs_path, run, {"model": spec.model, "name": spec.name, "pass": label,
-                                                           "quantization": spec.quantization})
+                                                           "quantization": spec.quantization,
+                                                           "provenance": self._pass_provenance(spec, engine)})
             result.logprobs = run
             timings.append(f"logprobs {time.perf_counter() - started:.1f} s")
         for task in self.config.tasks:
@@ -306,13 +385,18 @@ class Measurements:
             self._task_manager = TaskManager(include_path=paths or None, include_defaults=builtin_needed)
         return self._task_manager
 
-    def _write_engine_facts(self, name: str, result: ModelResult, engine_capabilities: EngineCapabilities) -> None:
+    def _pass_provenance(self, spec: ModelSpec, engine: Engine) -> dict[str, Any]:
+        return {"environment": provenance.environment(), "model": self.fingerprint(spec),
+                "engine_kwargs": engine.kwargs}
+
+    def _write_engine_facts(self, name: str, result: ModelResult, engine: Engine) -> None:
         facts = {
-            "engine": engine_capabilities.as_dict(),
+            "engine": engine.capabilities.as_dict(),
             "model": result.spec.model,
             "quantization": result.spec.quantization,
             "engine_start_s": result.start_s,
             "kv_cache_tokens": result.kv_cache_tokens,
             "latency": result.latency.as_dict() if result.latency else None,
+            "provenance": self._pass_provenance(result.spec, engine),
         }
         atomic_write_text(self.artifacts / name / "engine.json", json.dumps(facts, indent=1))

@@ -21,6 +21,9 @@ class Settings:
     config_path: Path | None  # absolute; None when none was given and rootdir has none
     require_gpu: bool
     artifacts: Path | None  # absolute; None when not asked for
+    baseline_cache: Path | None = None  # absolute; None: the baseline is measured every session
+    update_baseline: bool = False  # re-measure the baseline and replace its cache entry
+    report: Path | None = None  # markdown report (plots next to it); None: only $GITHUB_STEP_SUMMARY
 
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
@@ -40,9 +43,27 @@ def add_options(parser: pytest.Parser) -> None:
         help=f"Error out instead of skipping gpu tests when no CUDA device is visible (also {REQUIRE_GPU_ENV}=1)",
     )
     group.addoption("--fp8gate-artifacts", metavar="DIR", help="Directory for the gate's run artifacts")
+    group.addoption(
+        "--fp8gate-baseline-cache",
+        metavar="DIR",
+        help="Reuse the baseline's measurements across runs from DIR, keyed by everything that changes them",
+    )
+    group.addoption(
+        "--fp8gate-update-baseline",
+        action="store_true",
+        help="Measure the baseline again and replace its entry in the baseline cache",
+    )
+    group.addoption(
+        "--fp8gate-report",
+        metavar="PATH",
+        help="Write a markdown report of the verdicts to PATH, its plots next to it "
+        "(also appended to $GITHUB_STEP_SUMMARY when set)",
+    )
     parser.addini("fp8gate_config", "Thresholds TOML of the gate, relative to the ini file")
     parser.addini("fp8gate_require_gpu", "Error out instead of skipping gpu tests without a CUDA device", type="bool")
     parser.addini("fp8gate_artifacts", "Directory for the gate's run artifacts, relative to the ini file")
+    parser.addini("fp8gate_baseline_cache", "Baseline cache directory, relative to the ini file")
+    parser.addini("fp8gate_report", "Markdown report path, relative to the ini file")
 
 
 def read_settings(config: pytest.Config) -> Settings:
@@ -50,12 +71,25 @@ def read_settings(config: pytest.Config) -> Settings:
     config_path = _path_option(config, "fp8gate_config")
     if config_path is None and (config.rootpath / DEFAULT_CONFIG_NAME).is_file():
         config_path = config.rootpath / DEFAULT_CONFIG_NAME
+    baseline_cache = _path_option(config, "fp8gate_baseline_cache")
+    update_baseline = bool(config.getoption("fp8gate_update_baseline"))
+    if update_baseline and baseline_cache is None:
+        raise pytest.UsageError("--fp8gate-update-baseline needs a cache: --fp8gate-baseline-cache DIR "
+                                "(or the fp8gate_baseline_cache ini key)")
+    if baseline_cache is not None and baseline_cache.exists() and not baseline_cache.is_dir():
+        raise pytest.UsageError(f"--fp8gate-baseline-cache {display_path(baseline_cache)}: not a directory")
+    report = _path_option(config, "fp8gate_report")
+    if report is not None and report.is_dir():
+        raise pytest.UsageError(f"--fp8gate-report {display_path(report)}: is a directory, expected a file path")
     return Settings(
         config_path=config_path,
         require_gpu=bool(config.getoption("fp8gate_require_gpu"))
         or _env_flag(REQUIRE_GPU_ENV)
         or bool(config.getini("fp8gate_require_gpu")),
         artifacts=_path_option(config, "fp8gate_artifacts"),
+        baseline_cache=baseline_cache,
+        update_baseline=update_baseline,
+        report=report,
     )
 
 

@@ -26,6 +26,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[CONFIG_KEY] = None
     config.pluginmanager.register(fixtures, "fp8gate-fixtures")
     config.pluginmanager.register(report.JsonReportMetadata(), "fp8gate-json-report")
+    config.pluginmanager.register(report.SessionReport(), "fp8gate-report")
     # `pytest --help` must keep working while the thresholds file is broken.
     if settings.config_path is None or config.getoption("help", False):
         return

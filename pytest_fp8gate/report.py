@@ -1,13 +1,18 @@
-"""After the run: a compact summary table, and each rule's numbers in the JSON report."""
+"""After the run: the terminal summary, each rule's numbers in the JSON and JUnit reports, the markdown report."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .fixtures import VERDICT_KEY
-from .gate import Verdict
+from . import markdown_report
+from .fixtures import SESSION_KEY, VERDICT_KEY, VERDICTS_KEY, GateSession
+from .gate import Case, Verdict
+from .options import SETTINGS_KEY, display_path
 
 
 def summary_lines(verdicts: list[Verdict]) -> list[str]:
@@ -17,6 +22,18 @@ def summary_lines(verdicts: list[Verdict]) -> list[str]:
             for v in verdicts]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     return ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+def junit_properties(verdict: Verdict) -> list[tuple[str, object]]:
+    """A rule's numbers as JUnit ``<property>`` pairs (CI systems that read JUnit, not JSON)."""
+    outcome = verdict.outcome
+    properties: list[tuple[str, object]] = [
+        ("fp8gate.rule", outcome.rule), ("fp8gate.candidate", verdict.case.candidate),
+        ("fp8gate.task", verdict.case.task or ""), ("fp8gate.passed", outcome.passed),
+        ("fp8gate.measured", outcome.measured), ("fp8gate.noise_floor", markdown_report.noise_floor_text(verdict)),
+        ("fp8gate.threshold", outcome.limit), ("fp8gate.margin", outcome.margin),
+    ]
+    return properties + [(f"fp8gate.row.{label}", value) for label, value in outcome.rows]
 
 
 class JsonReportMetadata:
@@ -29,3 +46,68 @@ class JsonReportMetadata:
         if call.when != "call" or verdict is None:
             return {}
         return {"fp8gate": verdict.as_dict()}
+
+
+def report_data(session: GateSession, verdicts: list[Verdict],
+                unjudged: list[tuple[Case, str]]) -> markdown_report.ReportData:
+    """The session's verdicts and measurements, as the markdown report reads them."""
+    measurements = session.measurements
+    config = measurements.config
+    record = measurements.baseline_record
+    candidates = measurements.measured_candidates()
+    models = {config.baseline.name: measurements.fingerprint(config.baseline)} if record else {}
+    models.update({name: measurements.fingerprint(result.spec) for name, result in candidates.items()})
+    cached = [dict(run, label=f"{run['label']} (cache entry)") for run in record.engine_runs] \
+        if record is not None and record.cached else []
+    runs = cached + measurements.engine_runs
+    provenance = dict(measurements.provenance(config.baseline), models=models, engine_runs=runs)
+    return markdown_report.ReportData(config, verdicts, record, candidates, provenance, unjudged)
+
+
+class SessionReport:
+    """Rule numbers into JUnit properties; at session end, the markdown report (never raising)."""
+
+    def __init__(self) -> None:
+        self.unjudged: list[tuple[Case, str]] = []
+        self.written: list[Path] = []
+        self.error: str | None = None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[Any]) -> Generator[
+            None, pytest.TestReport, pytest.TestReport]:
+        verdict = item.stash.get(VERDICT_KEY, None)
+        if call.when == "call" and verdict is not None:
+            item.user_properties.extend(junit_properties(verdict))  # read when the report is built
+        report = yield
+        case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+        if isinstance(case, Case) and verdict is None and (report.skipped or report.failed):
+            self.unjudged.append((case, f"{'skipped' if report.skipped else 'error'}: {_reason(report)}"))
+        return report
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        config = session.config
+        gate_session = config.stash.get(SESSION_KEY, None)
+        path = config.stash[SETTINGS_KEY].report
+        if hasattr(config, "workerinput") or gate_session is None:
+            return
+        if path is None and not os.environ.get("GITHUB_STEP_SUMMARY"):
+            return
+        try:
+            data = report_data(gate_session, config.stash.get(VERDICTS_KEY, []), self.unjudged)
+            self.written = markdown_report.write(data, path)
+        except Exception as err:  # a report problem must not hide the verdicts or change the exit status
+            self.error = f"{type(err).__name__}: {err}"
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if self.written:
+            terminalreporter.write_line("fp8gate report: " + ", ".join(str(display_path(p)) for p in self.written))
+        if self.error:
+            terminalreporter.write_line(f"fp8gate: the markdown report was not written: {self.error}", yellow=True)
+
+
+def _reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # a skip: (path, line, "Skipped: reason")
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    text = str(getattr(report, "longreprtext", "") or longrepr)
+    return text.strip().splitlines()[0] if text.strip() else "no message"

@@ -27,6 +27,7 @@ __all__ = [
     "LogprobRun",
     "compare_answers",
     "compare_logprobs",
+    "kl_per_position",
     "mcnemar_exact_p",
 ]
 
@@ -214,7 +215,7 @@ def compare_logprobs(base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
     mean_square_dp, mean_square_dp_se = _mean_se(dp * dp)
     rms_dp = math.sqrt(mean_square_dp)
     ln_ppl_ratio, ln_ppl_ratio_se = _mean_se(base.real_logprob - cand.real_logprob)
-    kl_kind, kl = _kl_per_position(base, cand)
+    kl_kind, kl = kl_per_position(base, cand)
     mean_kl, kl_se = _mean_se(kl) if kl is not None else (None, None)
     return LogprobComparison(
         positions=n,
@@ -235,7 +236,8 @@ def compare_logprobs(base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
     )
 
 
-def _kl_per_position(base: LogprobRun, cand: LogprobRun) -> tuple[str, np.ndarray | None]:
+def kl_per_position(base: LogprobRun, cand: LogprobRun) -> tuple[str, np.ndarray | None]:
+    """KL(base || cand) at each position and its kind (see LogprobComparison.kl_kind)."""
     if base.full_logprobs is not None and cand.full_logprobs is not None:
         if base.full_logprobs.shape != cand.full_logprobs.shape:
             raise ComparisonError(

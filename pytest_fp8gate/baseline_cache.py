@@ -1,0 +1,344 @@
+"""A baseline measured once and reused across runs, keyed by everything that changes its numbers.
+
+An entry is a directory ``<baseline name>-<key hash>/`` holding the baseline's
+artifacts (logprob dumps, lm-eval samples and results of every pass, engine
+facts, provenance), ``record.json`` (what ``Measurements`` restores from them),
+``key.json`` and last ``manifest.json`` (size and sha256 of every other file).
+It is built in a staging directory and renamed into place, so a reader sees a
+whole entry or none; one that fails its manifest or key is named and measured
+again, never reused. ``<entry>.lock`` (flock) serialises the runs that want one
+key: the second waits for the first's entry instead of measuring it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from . import provenance
+from .atomic import atomic_open, atomic_write_text
+from .config import GateConfig
+from .dumps import read_logprob_dump
+from .engine import Latency
+from .measure import BaselineRecord, Measurements, ModelResult, Needs, PassResult
+
+FORMAT = 1  # bump when the entry layout or the meaning of a stored number changes
+MANIFEST = "manifest.json"
+RECORD = "record.json"
+KEY = "key.json"
+
+
+class CacheEntryError(Exception):
+    """An entry exists but must not be reused; the message says which file and why."""
+
+
+def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, Any],
+                 model: dict[str, Any]) -> dict[str, Any]:
+    """Everything that changes the baseline's numbers, as one JSON document."""
+    environment = provenance.environment()
+    devices = {k: v for k, v in environment["devices"].items() if k != "cuda_visible_devices"}
+    probabilities = config.probabilities
+    speed = config.speed
+    return {
+        "format": FORMAT,
+        "model": _portable_model(model),
+        "engine": {"kwargs": config.baseline.engine, **engine_settings},
+        "versions": environment["versions"],
+        "devices": devices,
+        "noise_passes": list(config.noise.passes),
+        "needs": {"probabilities": needs.probabilities, "tasks": sorted(needs.tasks), "speed": needs.speed},
+        "probabilities": None if probabilities is None or not needs.probabilities else {
+            "corpus": _without(provenance.corpus_fingerprint(probabilities.corpus), "file"),
+            "chunks": probabilities.chunks,
+            "chunk_tokens": probabilities.chunk_tokens, "top_k": probabilities.top_k,
+        },
+        "tasks": [_without(provenance.task_fingerprint(t), "include_path") for t in config.tasks
+                  if t.name in needs.tasks],
+        # What is measured, not the limit or the bandwidth it is judged against.
+        "speed": {name: getattr(speed, name) for name in ("input_len", "output_len", "batch_size", "warmup_iters",
+                                                          "iters")} if speed is not None and needs.speed else None,
+    }
+
+
+# Local files are keyed by their content, not where they are, so that a cache (or a committed
+# directory) serves checkouts at other paths.
+def _without(fingerprint: dict[str, Any], name: str) -> dict[str, Any]:
+    return {k: v for k, v in fingerprint.items() if k != name}
+
+
+def _portable_model(model: dict[str, Any]) -> dict[str, Any]:
+    if model.get("weights_sha256") and Path(model["model"]).is_dir():
+        return dict(model, model=f"local checkpoint {Path(model['model']).name}")
+    return model
+
+
+def key_digest(key: dict[str, Any]) -> str:
+    return hashlib.sha256(provenance.as_json(key).encode()).hexdigest()
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    items: Iterable[tuple[Any, Any]]
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return {prefix: value}
+    flat: dict[str, Any] = {}
+    for name, item in items:
+        flat.update(_flatten(item, f"{prefix}.{name}" if prefix else str(name)))
+    return flat
+
+
+def key_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ, e.g. ``versions.vllm``, ``tasks.0.files_sha256``."""
+    a, b = _flatten(json.loads(provenance.as_json(stored))), _flatten(json.loads(provenance.as_json(wanted)))
+    return sorted(name for name in a.keys() | b.keys() if a.get(name) != b.get(name))
+
+
+class BaselineCache:
+    """``--fp8gate-baseline-cache DIR``: restores or measures and stores the baseline."""
+
+    def __init__(self, root: Path, update: bool, announce: Callable[[str], None]) -> None:
+        self.root = root
+        self.update = update
+        self.announce = announce
+
+    def entry_path(self, name: str, key: dict[str, Any]) -> Path:
+        return self.root / f"{name}-{key_digest(key)[:16]}"
+
+    def fetch(self, measurements: Measurements, needs: Needs,
+              measure: Callable[[], BaselineRecord]) -> BaselineRecord:
+        """The cached baseline when a valid entry has this key; else ``measure()``, then store it."""
+        config = measurements.config
+        name = config.baseline.name
+        key = baseline_key(config, needs, measurements.engine_settings(), measurements.fingerprint(config.baseline))
+        entry = self.entry_path(name, key)
+        with self.locked(entry):
+            if self.update:
+                why = "--fp8gate-update-baseline"
+            else:
+                try:
+                    record = self.load(entry, key, measurements)
+                    self.announce(f"fp8gate: baseline {name} from the cache: {entry} "
+                                  f"(measured {record.measured_at}); no baseline engine started")
+                    return record
+                except FileNotFoundError:
+                    why = self._miss_reason(name, key)
+                except CacheEntryError as err:
+                    why = f"entry not reused: {err}"
+            self.announce(f"fp8gate: baseline cache miss for {name} ({why}); measuring")
+            record = measure()
+            try:
+                self.store(entry, key, record, measurements.artifacts / name)
+            except OSError as err:  # a full or read-only cache costs the next run time, not this run's verdicts
+                self.announce(f"fp8gate: the baseline was not stored in the cache: {err}")
+                record.origin = f"measured in this session; storing it in the baseline cache failed: {err}"
+                return record
+            record.origin = f"measured in this session and stored in the baseline cache: {entry} ({why})"
+            return record
+
+    @contextlib.contextmanager
+    def locked(self, entry: Path) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(entry.with_name(entry.name + ".lock"), "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.announce(f"fp8gate: waiting for {entry.name}.lock: another run is measuring this baseline")
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _miss_reason(self, name: str, key: dict[str, Any]) -> str:
+        """Why there is no entry: which key fields the newest entry of this baseline differs in."""
+        others = sorted(self.root.glob(f"{name}-*/{KEY}"), key=lambda p: p.stat().st_mtime)
+        for path in reversed(others):
+            try:
+                stored = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            changed = key_differences(stored, key)
+            shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+            return f"no entry for this key; the newest entry, {path.parent.name}, differs in {shown}"
+        return "no entry for this key"
+
+    # ---- reading -------------------------------------------------------------
+
+    def load(self, entry: Path, key: dict[str, Any], measurements: Measurements) -> BaselineRecord:
+        """Check the entry against its manifest and the key, copy it into the artifacts, restore it.
+
+        Raises FileNotFoundError when there is no entry and CacheEntryError when it is unusable.
+        """
+        if not entry.is_dir():
+            raise FileNotFoundError(entry)
+        listed = verify(entry, key)
+        try:
+            stored = json.loads((entry / RECORD).read_text(encoding="utf-8"))
+            unlisted = [name for name in stored["files"] if name not in listed]
+        except (ValueError, KeyError, TypeError) as err:
+            raise CacheEntryError(f"{entry / RECORD}: unreadable ({err})") from None
+        if unlisted:
+            raise CacheEntryError(f"{entry / RECORD}: names files the manifest lacks: {', '.join(unlisted)}")
+        target = measurements.artifacts / measurements.config.baseline.name
+        for relative in stored["files"]:
+            _copy_atomic(entry / relative, target / relative)
+        try:
+            return _restore(stored, target, measurements, entry)
+        except (KeyError, TypeError) as err:
+            raise CacheEntryError(f"{entry / RECORD}: lacks {err}") from None
+
+    # ---- writing -------------------------------------------------------------
+
+    def store(self, entry: Path, key: dict[str, Any], record: BaselineRecord, source: Path) -> None:
+        """Write the entry in a staging directory, then rename it into place (call under the lock)."""
+        for stale in self.root.glob(f".*-{entry.name}-*"):  # left by a run that died mid-write
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = self.root / f".staging-{entry.name}-{uuid.uuid4().hex[:8]}"
+        staging.mkdir()
+        try:
+            stored = _serialise(record, source)
+            for relative in stored["files"]:
+                _copy_atomic(source / relative, staging / relative)
+            atomic_write_text(staging / RECORD, json.dumps(stored, indent=1, default=str))
+            atomic_write_text(staging / KEY, json.dumps(key, indent=1, sort_keys=True, default=str))
+            files = {path.relative_to(staging).as_posix(): _file_entry(path)
+                     for path in sorted(staging.rglob("*")) if path.is_file()}
+            atomic_write_text(staging / MANIFEST, json.dumps({"format": FORMAT, "key_sha256": key_digest(key),
+                                                              "files": files}, indent=1))
+            _replace_dir(staging, entry)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def verify(entry: Path, key: dict[str, Any]) -> set[str]:
+    """The entry's files; CacheEntryError names the first one missing, truncated, altered or unlisted."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CacheEntryError(f"{entry / MANIFEST}: missing or unreadable ({err})") from None
+    if manifest.get("format") != FORMAT:
+        raise CacheEntryError(f"{entry / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT}")
+    if manifest.get("key_sha256") != key_digest(key):
+        raise CacheEntryError(f"{entry / MANIFEST}: key mismatch (the entry was stored for another key)")
+    for relative, expected in files.items():
+        path = entry / relative
+        if not path.is_file():
+            raise CacheEntryError(f"{path}: missing")
+        if path.stat().st_size != expected["size"]:
+            raise CacheEntryError(f"{path}: {path.stat().st_size} bytes, the manifest says {expected['size']} "
+                                  "(truncated or rewritten)")
+        if provenance.file_sha256(path) != expected["sha256"]:
+            raise CacheEntryError(f"{path}: sha256 differs from the manifest (corrupt)")
+    present = {p.relative_to(entry).as_posix() for p in entry.rglob("*") if p.is_file()} - {MANIFEST}
+    if present != set(files):
+        raise CacheEntryError(f"{entry}: files not in the manifest: {', '.join(sorted(present - set(files)))}")
+    for required in (RECORD, KEY):
+        if required not in files:
+            raise CacheEntryError(f"{entry / required}: missing")
+    differences = key_differences(json.loads((entry / KEY).read_text(encoding="utf-8")), key)
+    if differences:
+        raise CacheEntryError(f"{entry / KEY}: key mismatch in {', '.join(differences)}")
+    return set(files)
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, "sha256": provenance.file_sha256(path)}
+
+
+def _copy_atomic(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(source, "rb") as reader, atomic_open(target, "wb") as writer:
+        shutil.copyfileobj(reader, writer, 1 << 20)
+
+
+def _replace_dir(staging: Path, entry: Path) -> None:
+    """Rename ``staging`` to ``entry``; an old entry is moved aside first, then removed."""
+    trash = None
+    if entry.exists():
+        trash = entry.with_name(f".trash-{entry.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(entry, trash)
+    os.rename(staging, entry)
+    directory = os.open(entry.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a crash
+    finally:
+        os.close(directory)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+# ---- record <-> JSON ---------------------------------------------------------
+
+
+def _relative(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+def _serialise_pass(result: PassResult, root: Path) -> dict[str, Any]:
+    return {"label": result.label,
+            "logprobs": _relative(result.logprobs_path, root) if result.logprobs_path else None,
+            "samples": {task: _relative(path, root) for task, path in result.samples.items()}}
+
+
+def _pass_files(result: PassResult, root: Path) -> list[str]:
+    files = [_relative(result.logprobs_path, root)] if result.logprobs_path else []
+    for task, path in result.samples.items():
+        files.append(_relative(path, root))
+        results = path.with_name(f"results_{task}.json")
+        if results.is_file():
+            files.append(_relative(results, root))
+    return files
+
+
+def _serialise(record: BaselineRecord, root: Path) -> dict[str, Any]:
+    result = record.result
+    files = [*_pass_files(result.main, root)]
+    for noise in record.noise.values():
+        files += _pass_files(noise, root)
+    files += [name for name in ("engine.json", "provenance.json") if (root / name).is_file()]
+    return {
+        "main": _serialise_pass(result.main, root),
+        "noise": {label: _serialise_pass(p, root) for label, p in record.noise.items()},
+        "start_s": result.start_s,
+        "kv_cache_tokens": result.kv_cache_tokens,
+        "vocab_size": result.vocab_size,
+        "latency": result.latency.as_dict() if result.latency else None,
+        "chunks": record.chunks,
+        "id_scoring_refusal": record.id_scoring_refusal,
+        "engine_runs": record.engine_runs,
+        "files": files,
+    }
+
+
+def _restore_pass(stored: dict[str, Any], root: Path) -> PassResult:
+    logprobs_path = root / stored["logprobs"] if stored["logprobs"] else None
+    return PassResult(stored["label"], logprobs=read_logprob_dump(logprobs_path) if logprobs_path else None,
+                      logprobs_path=logprobs_path,
+                      samples={task: root / relative for task, relative in stored["samples"].items()})
+
+
+def _restore(stored: dict[str, Any], root: Path, measurements: Measurements, entry: Path) -> BaselineRecord:
+    latency = None
+    if stored["latency"] is not None:
+        names = {f.name for f in dataclasses.fields(Latency)}
+        latency = Latency(**{k: v for k, v in stored["latency"].items() if k in names})
+    result = ModelResult(measurements.config.baseline, _restore_pass(stored["main"], root), stored["start_s"],
+                         stored["kv_cache_tokens"], stored["vocab_size"], latency)
+    record = BaselineRecord(result, {label: _restore_pass(p, root) for label, p in stored["noise"].items()},
+                            stored["chunks"], stored["id_scoring_refusal"], stored["engine_runs"], cached=True)
+    record.origin = f"from the baseline cache: {entry} (measured {record.measured_at}; no baseline engine started)"
+    return record
