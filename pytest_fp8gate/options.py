@@ -16,11 +16,23 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
 
+# How the thresholds file was chosen; only one found in rootdir is implicit.
+SOURCE_OPTION = "--fp8gate-config"
+SOURCE_INI = "the fp8gate_config ini key"
+SOURCE_ROOTDIR = f"{DEFAULT_CONFIG_NAME} found in rootdir"
+
+
 @dataclass(frozen=True)
 class Settings:
     config_path: Path | None  # absolute; None when none was given and rootdir has none
     require_gpu: bool
     artifacts: Path | None  # absolute; None when not asked for
+    allow_no_rules: bool = False  # a run may select none of the file's rules
+    config_source: str | None = None  # SOURCE_*; None without a file
+
+    @property
+    def config_explicit(self) -> bool:
+        return self.config_source in (SOURCE_OPTION, SOURCE_INI)
 
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
@@ -40,22 +52,34 @@ def add_options(parser: pytest.Parser) -> None:
         help=f"Error out instead of skipping gpu tests when no CUDA device is visible (also {REQUIRE_GPU_ENV}=1)",
     )
     group.addoption("--fp8gate-artifacts", metavar="DIR", help="Directory for the gate's run artifacts")
+    group.addoption(
+        "--fp8gate-allow-no-rules",
+        action="store_true",
+        help="Let a run with a thresholds file select none of its rules (by default that is an error)",
+    )
     parser.addini("fp8gate_config", "Thresholds TOML of the gate, relative to the ini file")
     parser.addini("fp8gate_require_gpu", "Error out instead of skipping gpu tests without a CUDA device", type="bool")
     parser.addini("fp8gate_artifacts", "Directory for the gate's run artifacts, relative to the ini file")
+    parser.addini("fp8gate_allow_no_rules", "Let a run select none of the thresholds file's rules", type="bool")
 
 
 def read_settings(config: pytest.Config) -> Settings:
     """Settings from the command line, else the environment or ini file, else defaults."""
     config_path = _path_option(config, "fp8gate_config")
-    if config_path is None and (config.rootpath / DEFAULT_CONFIG_NAME).is_file():
-        config_path = config.rootpath / DEFAULT_CONFIG_NAME
+    source = None
+    if config_path is not None:
+        source = SOURCE_OPTION if config.getoption("fp8gate_config") else SOURCE_INI
+    elif (config.rootpath / DEFAULT_CONFIG_NAME).is_file():
+        config_path, source = config.rootpath / DEFAULT_CONFIG_NAME, SOURCE_ROOTDIR
     return Settings(
         config_path=config_path,
         require_gpu=bool(config.getoption("fp8gate_require_gpu"))
         or _env_flag(REQUIRE_GPU_ENV)
         or bool(config.getini("fp8gate_require_gpu")),
         artifacts=_path_option(config, "fp8gate_artifacts"),
+        allow_no_rules=bool(config.getoption("fp8gate_allow_no_rules"))
+        or bool(config.getini("fp8gate_allow_no_rules")),
+        config_source=source,
     )
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from . import fixtures, hardware, options, report
+from . import fixtures, gating, hardware, options, report
 from .cases import needs_of
 from .collect import ThresholdsFile
 from .config import ConfigError, load_config
@@ -51,6 +51,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[NEEDS_KEY] = needs_of(cases)
 
 
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    if items:
+        gating.count_deselected(items[0].config, items)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gate = session.config.stash.get(CONFIG_KEY, None)
+    if gate is not None:
+        gating.check_selection(session, session.config.stash[SETTINGS_KEY], gate)
+
+
+def pytest_runtest_call(item: pytest.Item) -> None:
+    gating.record_call(item)
+
+
 def _skip_gpu_items_without_gpu(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A skip mark (not pytest.skip in setup) reports the skip at the test's own location.
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
@@ -91,7 +106,16 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    gate = session.config.stash.get(CONFIG_KEY, None)
+    if gate is not None:
+        gating.check_gpu_ran(session, session.config.stash[SETTINGS_KEY], gate)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    complaint = gating.complaint(config)
+    if complaint:
+        terminalreporter.write_line(f"fp8gate: {complaint}", red=True, bold=True)
     verdicts = config.stash.get(VERDICTS_KEY, [])
     if verdicts:
         terminalreporter.write_sep("=", "fp8gate summary")
