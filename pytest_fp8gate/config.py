@@ -15,7 +15,8 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Collection, Literal
 
-from . import gpus
+from . import checkpoint, gpus
+from .vllm_names import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -259,6 +260,18 @@ def _name(value: Any) -> str:
     return value
 
 
+def _vllm_name(what: str, names: Collection[str], *, allow_empty: bool = False) -> _Check:
+    text = _text(allow_empty=allow_empty)
+
+    def check(value: Any) -> str:
+        name = text(value)
+        if name and name not in names:
+            raise _Invalid(f"unknown vLLM {what} {name!r}; {_suggest_key(name, names)}")
+        return name
+
+    return check
+
+
 def _full_vocab(value: Any) -> bool | str:
     if value == "auto" or isinstance(value, bool):
         return value
@@ -284,7 +297,7 @@ _ENGINE: dict[str, _Check] = {
     "data_parallel_size": _integer(1),
     "max_model_len": _integer(1),
     "gpu_memory_utilization": _number(0, 1, low_open=True),
-    "kv_cache_dtype": _text(),
+    "kv_cache_dtype": _vllm_name("kv_cache_dtype", KV_CACHE_DTYPES),
     "enforce_eager": _boolean,
     "max_num_seqs": _integer(1),
     "max_num_batched_tokens": _integer(1),
@@ -399,6 +412,7 @@ class _Table:
 class _Parser:
     def __init__(self, label: str, base_dir: Path):
         self.label, self.base_dir = label, base_dir
+        self.model_configs: dict[str, dict[str, Any]] = {}  # local model path -> its config.json
 
     def error(self, where: str, message: str) -> ConfigError:
         return ConfigError(f"{self.label}: {where}: {message}")
@@ -447,12 +461,30 @@ class _Parser:
         # A candidate without a model quantizes the baseline's weights online.
         model = table.get("model", _text(), MISSING if baseline is None else baseline.model)
         model = self.model_ref(table.key("model"), model)
-        quantization = table.get("quantization", _text(allow_empty=True), "") or None
+        quantization = table.get("quantization", _vllm_name("quantization method", QUANTIZATION_METHODS,
+                                                            allow_empty=True), "") or None
         engine = self.engine(table.table("engine", _ENGINE))
         spec = ModelSpec(name, model, quantization, {**(baseline.engine if baseline else {}), **engine})
         if baseline is not None and spec == replace(baseline, name=name):
             raise self.error(table.where, "same model, quantization and engine as the baseline; it would gate nothing")
+        self.check_local_model(table.key("model"), model, baseline)
         return spec
+
+    def check_local_model(self, where: str, model: str, baseline: ModelSpec | None) -> None:
+        """A local checkpoint must be loadable, and share the baseline's vocabulary."""
+        if not Path(model).is_absolute() or model in self.model_configs:
+            return
+        try:
+            self.model_configs[model] = checkpoint.check_model_dir(Path(model))
+        except checkpoint.CheckpointError as err:
+            raise self.error(where, str(err)) from None
+        if baseline is None or baseline.model not in self.model_configs:
+            return
+        mine = checkpoint.vocab_size(self.model_configs[model])
+        base = checkpoint.vocab_size(self.model_configs[baseline.model])
+        if mine is not None and base is not None and mine != base:
+            raise self.error(where, f"vocabulary of {mine} tokens (config.json vocab_size) differs from the "
+                                    f"baseline's {base}; the gate compares the two token by token")
 
     def engine(self, table: _Table) -> dict[str, Any]:
         engine = {key: table.get(key, check) for key, check in _ENGINE.items() if key in table.raw}
@@ -467,6 +499,16 @@ class _Parser:
             return str(local)
         if value.startswith(("./", "../", "/", "~")) or value in (".", ".."):
             raise self.error(where, f"local path not found: {local}")
+        if Path(value).exists():
+            # vLLM would load it from the working directory, whichever that is on the runner.
+            raise self.error(where, f"{value!r} exists in the working directory but not next to the thresholds "
+                                    f"file ({local}); write a path relative to the thresholds file or an absolute one")
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(value)
+        except HFValidationError as err:
+            raise self.error(where, f"neither a local path ({local} not found) nor a Hugging Face id: {err}") from None
         return value
 
     def resolve(self, value: str) -> Path:
@@ -507,11 +549,21 @@ class _Parser:
         path = self.resolve(value)
         if not path.is_file():
             raise self.error(where, f"file not found: {path} (expected {_CORPUS_FORMS})")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise self.error(where, f"{path}: not UTF-8 text (byte {err.start})") from None
+        if not text.strip():
+            raise self.error(where, f"{path}: no text to score")
         return FileCorpus(path)
 
     def task(self, table: _Table) -> TaskSpec:
         values = table.values(TaskSpec, _TASK_CHECKS)
         values["include_path"] = self.directory(table.key("include_path"), values["include_path"])
+        if values["task"].endswith((".yaml", ".yml")) or "/" in values["task"]:
+            # lm-eval would load a task file relative to the working directory and import its !function code.
+            raise self.error(table.key("task"), f"expected a task name, got the file {values['task']!r}; "
+                                                "put the YAML in a directory named by include_path")
         limits = table.table("limits", _TASK_LIMIT_CHECKS)
         spec = TaskSpec(
             name=table.get("name", _name, values["task"]),

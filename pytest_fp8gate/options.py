@@ -76,7 +76,7 @@ def read_settings(config: pytest.Config) -> Settings:
         require_gpu=bool(config.getoption("fp8gate_require_gpu"))
         or _env_flag(REQUIRE_GPU_ENV)
         or bool(config.getini("fp8gate_require_gpu")),
-        artifacts=_path_option(config, "fp8gate_artifacts"),
+        artifacts=_writable_dir(_path_option(config, "fp8gate_artifacts")),
         allow_no_rules=bool(config.getoption("fp8gate_allow_no_rules"))
         or bool(config.getini("fp8gate_allow_no_rules")),
         config_source=source,
@@ -101,6 +101,18 @@ def _path_option(config: pytest.Config, name: str) -> Path | None:
         base = config.inipath.parent if config.inipath else config.rootpath
         return (base / Path(in_ini).expanduser()).resolve()
     return None
+
+
+def _writable_dir(path: Path | None) -> Path | None:
+    """The artifacts directory, refused now if the gate could not write there after its engines ran."""
+    if path is None:
+        return None
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise pytest.UsageError(f"--fp8gate-artifacts: {display_path(existing)} is a file, expected a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise pytest.UsageError(f"--fp8gate-artifacts: {display_path(existing)}: not writable")
+    return path
 
 
 def _env_flag(name: str) -> bool:

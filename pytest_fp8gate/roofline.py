@@ -152,11 +152,14 @@ def estimate_from_path(
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise RooflineError(f"{path}: not found (expected a model directory or its config.json)") from None
     except (OSError, ValueError) as err:
         raise RooflineError(f"{path}: cannot read JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise RooflineError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def _text_config(cfg: dict) -> dict:
@@ -296,10 +299,14 @@ def _read_header(path: Path) -> dict[str, dict]:
             if length > _MAX_HEADER:
                 raise RooflineError(f"{path}: header length {length} is not plausible for safetensors")
             header = json.loads(f.read(length))
+    except RooflineError:
+        raise  # a ValueError too, but already names the file
     except OSError as err:
         raise RooflineError(f"{path}: cannot read: {err}") from None
     except ValueError as err:
         raise RooflineError(f"{path}: header is not valid JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise RooflineError(f"{path}: header is not a JSON object")
     header.pop("__metadata__", None)
     return header
 
