@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .dumps import DumpFormatError, read_lm_eval_samples, read_logprob_dump
+from .dumps import DumpFormatError, dump_run_id, read_lm_eval_samples, read_logprob_dump, samples_run_id
 from .statistics import ComparisonError, compare_answers, compare_logprobs
 
 __all__ = ["CommandError", "build_parser", "emit", "main"]
@@ -46,6 +46,14 @@ def emit(
         print(f"{label:<{width}}  {value}".rstrip())
 
 
+def _same_run(base: str, cand: str, run_id: Callable[[str], str | None]) -> None:
+    """Refuse to pair artifacts that two different gate runs wrote (files without a run id pair freely)."""
+    base_id, cand_id = run_id(base), run_id(cand)
+    if base_id is not None and cand_id is not None and base_id != cand_id:
+        raise CommandError(f"{cand}: written by gate run {cand_id}, but baseline {base} by run {base_id}; "
+                           "artifacts of two different runs are not compared")
+
+
 def _pct(fraction: float, digits: int = 3) -> str:
     return f"{100 * fraction:.{digits}f}%"
 
@@ -67,6 +75,7 @@ def _add_compare_logprobs(subparsers: Any) -> None:
 
 
 def _run_compare_logprobs(args: argparse.Namespace) -> int:
+    _same_run(args.base, args.cand, dump_run_id)
     base = read_logprob_dump(args.base)
     cand = read_logprob_dump(args.cand)
     try:
@@ -115,6 +124,7 @@ def _add_flips(subparsers: Any) -> None:
 
 
 def _run_flips(args: argparse.Namespace) -> int:
+    _same_run(args.base, args.cand, samples_run_id)
     base = read_lm_eval_samples(args.base, args.filter, args.metric)
     cand = read_lm_eval_samples(args.cand, args.filter, args.metric)
     try:

@@ -90,6 +90,8 @@ class TaskLimits:
     two_sided: bool = False
     flips_ratio: float = 2.0
     min_flip_allowance: float = 0.01
+    # The baseline must score above this, or the task cannot tell a broken build from a good one.
+    min_baseline_accuracy: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -353,6 +355,7 @@ _TASK_LIMIT_CHECKS = {
     "two_sided": _boolean,
     "flips_ratio": _RATIO,
     "min_flip_allowance": _FRACTION,
+    "min_baseline_accuracy": _FRACTION,
 }
 _SPEED_CHECKS = {
     "input_len": _integer(1),

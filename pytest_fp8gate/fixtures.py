@@ -8,7 +8,7 @@ import pytest
 
 from .config import GateConfig
 from .gate import Case, Gate, GateError, Verdict
-from .measure import Measurements, Needs
+from .measure import MeasurementError, Measurements, Needs
 from .options import CONFIG_KEY, SETTINGS_KEY
 
 NEEDS_KEY = pytest.StashKey[dict[str, Needs]]()
@@ -42,7 +42,7 @@ class GateSession:
         """Evaluate a rule case; record it; fail the test with its explanation."""
         try:
             verdict = self.evaluate(case)
-        except GateError as err:
+        except (GateError, MeasurementError) as err:
             pytest.fail(str(err), pytrace=False)
         item.stash[VERDICT_KEY] = verdict
         self.config.stash.setdefault(VERDICTS_KEY, []).append(verdict)

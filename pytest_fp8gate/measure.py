@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -19,9 +20,9 @@ from typing import Any, Callable
 from . import corpus as corpus_mod
 from .atomic import atomic_write_text
 from .config import GateConfig, ModelSpec, TaskSpec
-from .dumps import read_lm_eval_samples, write_lm_eval_samples, write_logprob_dump
+from .dumps import RUN_ID, SAMPLES_RUN_ID, read_lm_eval_samples, write_lm_eval_samples, write_logprob_dump
 from .engine import FULL_VOCAB_LIMIT, Engine, IdScoringUnavailable, Latency
-from .statistics import AnswerRecord, LogprobRun
+from .statistics import AnswerRecord, ComparisonError, LogprobRun
 
 # The noise pass re-runs the baseline in reverse order in small fixed batches, so
 # the engine sees different batch compositions than in the main pass; prompts the
@@ -92,6 +93,7 @@ class Measurements:
         self.needs = needs
         self.announce = announce
         self.engine_starts: dict[str, int] = {}
+        self.run_id = uuid.uuid4().hex  # written into every artifact of this session
         self._baseline: ModelResult | None = None
         self._noise: dict[str, PassResult] = {}
         self._candidates: dict[str, ModelResult] = {}
@@ -128,6 +130,10 @@ class Measurements:
                                    f"{type(self._failures[name]).__name__}: {self._failures[name]}")
         try:
             measure()
+        except (ComparisonError, corpus_mod.CorpusError) as err:
+            # The corpus or the engine's output failed a sanity check: name the model, no traceback.
+            self._failures[name] = MeasurementError(f"{name}: {err}")
+            raise self._failures[name] from None
         except Exception as err:
             self._failures[name] = err
             raise
@@ -221,7 +227,7 @@ class Measurements:
             run = self._with_base_ids(engine, run)
             result.logprobs_path = directory / "logprobs.npz"
             write_logprob_dump(result.logprobs_path, run, {"model": spec.model, "name": spec.name, "pass": label,
-                                                           "quantization": spec.quantization})
+                                                           "quantization": spec.quantization, RUN_ID: self.run_id})
             result.logprobs = run
             timings.append(f"logprobs {time.perf_counter() - started:.1f} s")
         for task in self.config.tasks:
@@ -272,7 +278,8 @@ class Measurements:
             task_manager=self._tasks(),
             bootstrap_iters=0,
         )
-        rows = [dict(row, task=sub) for sub, sub_rows in results["samples"].items() for row in sub_rows]
+        rows = [dict(row, task=sub, **{SAMPLES_RUN_ID: self.run_id})
+                for sub, sub_rows in results["samples"].items() for row in sub_rows]
         if len(results["samples"]) > 1:
             # A task group: keep doc ids distinct across its subtasks.
             rows = [dict(row, doc_id=f"{row['task']}/{row['doc_id']}") for row in rows]
@@ -295,6 +302,7 @@ class Measurements:
 
     def _write_engine_facts(self, name: str, result: ModelResult) -> None:
         facts = {
+            RUN_ID: self.run_id,
             "model": result.spec.model,
             "quantization": result.spec.quantization,
             "engine_start_s": result.start_s,
