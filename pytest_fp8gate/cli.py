@@ -6,12 +6,16 @@ in ``_COMMANDS``. An ``_add_`` function builds its parser (calling
 parsed arguments and returning the exit status; ``emit`` prints its result.
 Raising CommandError (or DumpFormatError, or OSError for unreadable files)
 prints one ``fp8gate: error: ...`` line and exits with status 2.
+
+``--json`` output is strict JSON (RFC 8259 has no NaN or Infinity): a NaN
+becomes ``null``, an infinity the string ``"inf"`` or ``"-inf"``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -38,12 +42,22 @@ def emit(
 ) -> None:
     """Print ``payload`` as JSON under --json, else ``rows`` as an aligned table."""
     if args.json:
-        print(json.dumps(payload, indent=2))
+        print(json.dumps(_strict_json(payload), indent=2, allow_nan=False))
         return
     rows = list(rows)
     width = max((len(label) for label, _ in rows), default=0)
     for label, value in rows:
         print(f"{label:<{width}}  {value}".rstrip())
+
+
+def _strict_json(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, Mapping):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(item) for item in value]
+    return value
 
 
 def _same_run(base: str, cand: str, run_id: Callable[[str], str | None]) -> None:

@@ -193,11 +193,14 @@ def _stored_bytes(tensor: _Tensor, scheme: str | None) -> int:
 
 def _require(cfg: dict, key: str, config_path: Path) -> int:
     try:
-        return int(cfg[key])
+        value = int(cfg[key])
     except (KeyError, TypeError, ValueError):
         raise RooflineError(
             f"{config_path}: needs an integer {key!r} (only Llama-style decoder configs are supported)"
         ) from None
+    if value <= 0:
+        raise RooflineError(f"{config_path}: {key} must be a positive integer, got {cfg[key]!r}")
+    return value
 
 
 def _model_itemsize(cfg: dict, config_path: Path) -> int:
@@ -211,8 +214,9 @@ def _model_itemsize(cfg: dict, config_path: Path) -> int:
 def _attention_shape(cfg: dict, config_path: Path) -> tuple[int, int, int]:
     """(attention heads, KV heads, head dim)."""
     heads = _require(cfg, "num_attention_heads", config_path)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or _require(cfg, "hidden_size", config_path) // heads)
+    kv_heads = _require(cfg, "num_key_value_heads", config_path) if cfg.get("num_key_value_heads") else heads
+    head_dim = _require(cfg, "head_dim", config_path) if cfg.get("head_dim") else (
+        _require(cfg, "hidden_size", config_path) // heads)
     return heads, kv_heads, head_dim
 
 
@@ -345,8 +349,8 @@ def _tensors_from_safetensors(shards: list[Path]) -> list[_Tensor]:
 
 
 def _bandwidth(gpu: str | None, bandwidth_gbps: float | None) -> tuple[str | None, float | None]:
-    if bandwidth_gbps is not None and bandwidth_gbps < 0:
-        raise RooflineError(f"bandwidth_gbps must be >= 0, got {bandwidth_gbps}")
+    if bandwidth_gbps is not None and not (math.isfinite(bandwidth_gbps) and bandwidth_gbps >= 0):
+        raise RooflineError(f"bandwidth_gbps must be >= 0 and finite, got {bandwidth_gbps}")
     entry = gpus.find_gpu(gpu) if gpu else None
     if bandwidth_gbps:  # an explicit figure wins over the table
         return (entry.name if entry else gpu), float(bandwidth_gbps)

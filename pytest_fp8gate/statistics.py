@@ -135,6 +135,8 @@ class LogprobRun:
         return int(self.real_logprob.shape[0])
 
 
+_MAX_EXP = math.log(np.finfo(np.float64).max)  # math.exp raises OverflowError above it
+
 # A log-prob above this is no rounding of log(1) = 0 (float32 engines land within 1e-6 of it).
 _LOGPROB_SLACK = 1e-4
 # A full distribution whose probabilities sum further from 1 than this is not one.
@@ -265,7 +267,7 @@ def compare_logprobs(base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
         rms_dp=rms_dp,
         rms_dp_se=mean_square_dp_se / (2 * rms_dp) if rms_dp > 0 else 0.0,
         dp_percentiles=_percentiles(dp),
-        ppl_ratio=math.exp(ln_ppl_ratio),
+        ppl_ratio=math.exp(ln_ppl_ratio) if ln_ppl_ratio < _MAX_EXP else math.inf,
         ln_ppl_ratio=ln_ppl_ratio,
         ln_ppl_ratio_se=ln_ppl_ratio_se,
         kl_kind=kl_kind,
