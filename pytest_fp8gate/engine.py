@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from . import lifecycle
 from .config import ModelSpec
 from .statistics import LogprobRun
 
@@ -85,7 +86,9 @@ class Engine:
         started = time.perf_counter()
         log.warning("fp8gate: starting engine for %s (%s)", spec.name, _describe(kwargs))
         self.spec = spec
+        before = lifecycle.child_pids()
         self.llm = LLM(**kwargs)
+        self._processes = lifecycle.track(spec.name, lifecycle.child_pids() - before)
         self.start_s = time.perf_counter() - started
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
@@ -250,6 +253,7 @@ class Engine:
         from vllm.distributed import cleanup_dist_env_and_memory
 
         self.llm.llm_engine.engine_core.shutdown()
+        lifecycle.release(self._processes)  # whatever of the engine outlived its own shutdown
         del self.llm
         gc.collect()
         cleanup_dist_env_and_memory()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from . import lifecycle
 from .config import GateConfig
 from .gate import Case, Gate, GateError, Verdict
 from .measure import MeasurementError, Measurements, Needs
@@ -32,6 +33,7 @@ class GateSession:
 
         self.config = config
         self.artifacts = artifacts
+        lifecycle.watch(artifacts)
         self.measurements = Measurements(gate_config, artifacts, config.stash.get(NEEDS_KEY, {}), announce)
         self.gate = Gate(gate_config, self.measurements)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from . import fixtures, gating, hardware, options, report
+from . import fixtures, gating, hardware, lifecycle, options, report
 from .cases import needs_of
 from .collect import ThresholdsFile
 from .config import ConfigError, load_config
@@ -98,6 +98,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     else:
         candidates = ", ".join(spec.name for spec in gate.candidates)
         lines = [f"fp8gate: {options.display_path(gate.path)}: {gate.baseline.name} vs {candidates}"]
+    stale = lifecycle.stale_warning(settings.artifacts) if settings.artifacts else None
+    if stale:
+        lines.append(stale)
     # Probing may import torch (seconds), so only when the gate is in use.
     if gate is not None or settings.require_gpu:
         probe = hardware.probe_cuda()
