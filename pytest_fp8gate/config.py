@@ -455,6 +455,7 @@ class _Parser:
         if config.probabilities is None and not config.tasks and config.speed is None:
             raise self.error("(top level)", "expected at least one check: [probabilities], [[tasks]] or [speed]")
         self.check_context_fits(config)
+        self.check_top_k_fits(config)
         return config
 
     # models
@@ -598,6 +599,14 @@ class _Parser:
                     "or any label together with speed.bandwidth_gbps > 0",
                 )
         return SpeedSpec(**values)
+
+    def check_top_k_fits(self, config: GateConfig) -> None:
+        """vLLM refuses more log-probs per position than the vocabulary has (known for a local baseline)."""
+        base = self.model_configs.get(config.baseline.model)
+        vocab = checkpoint.vocab_size(base) if base is not None else None
+        if config.probabilities and vocab is not None and config.probabilities.top_k > vocab:
+            raise self.error("probabilities.top_k", f"{config.probabilities.top_k} exceeds the baseline's "
+                                                    f"vocabulary of {vocab} tokens (config.json vocab_size)")
 
     def check_context_fits(self, config: GateConfig) -> None:
         """Fail now, not after an engine start, when a check's sequences exceed max_model_len."""

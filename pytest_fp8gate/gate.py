@@ -12,11 +12,13 @@ from typing import Any, Callable
 
 from . import gpus, hardware, roofline, rules
 from .config import GateConfig, TaskSpec
-from .measure import PASS_DESCRIPTIONS, Measurements
+from .dumps import DumpFormatError
+from .measure import PASS_DESCRIPTIONS, Measurements, PassResult
 from .rules import RuleOutcome
 from .statistics import (
     TOPK_KL,
     AnswerComparison,
+    AnswerRecord,
     ComparisonError,
     LogprobComparison,
     compare_answers,
@@ -163,9 +165,17 @@ class Gate:
     def _task(self, name: str | None) -> TaskSpec:
         return next(t for t in self.config.tasks if t.name == name)
 
+    def _answers(self, run: PassResult, task: TaskSpec) -> list[AnswerRecord]:
+        try:
+            return run.answers(task)
+        except DumpFormatError as err:  # the samples exist; the configured filter or metric does not fit them
+            index = self.config.tasks.index(task)
+            raise GateError(f"{self.config.path}: tasks[{index}] (filter {task.filter!r}, metric {task.metric!r}): "
+                            f"lm-eval's samples do not have it: {err.expected} (in {err.path})") from None
+
     def answer_comparison(self, case: Case) -> tuple[AnswerComparison, dict[str, AnswerComparison]]:
         task = self._task(case.task)
-        base = self.measurements.baseline().main.answers(task)
+        base = self._answers(self.measurements.baseline().main, task)
         accuracy = sum(answer.correct for answer in base) / len(base)
         floor = task.limits.min_baseline_accuracy
         if accuracy <= floor:
@@ -175,8 +185,8 @@ class Gate:
                 f"(tasks.limits.min_baseline_accuracy): the task cannot tell a broken build from a good one; "
                 "check the task, filter, metric and few-shot setup"
             )
-        cand = self.measurements.candidate(case.candidate).main.answers(task)
-        floors = {label: compare_answers(base, run.answers(task))
+        cand = self._answers(self.measurements.candidate(case.candidate).main, task)
+        floors = {label: compare_answers(base, self._answers(run, task))
                   for label, run in self.measurements.noise().items() if task.name in run.samples}
         return compare_answers(base, cand), floors
 

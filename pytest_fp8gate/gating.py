@@ -10,6 +10,7 @@ says it gated nothing, so that a project's unit tests can live beside it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,16 @@ TALLY_KEY = pytest.StashKey[RuleTally]()
 
 def is_rule(item: pytest.Item) -> bool:
     return isinstance(item, pytest.Function) and isinstance(item.parent, ThresholdsFile)
+
+
+def check_toml_args(config: pytest.Config, configured: Path | None) -> None:
+    """A TOML file given to pytest that is not the configured one would be "not found": say why."""
+    for arg in config.args:
+        path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        if path.suffix == ".toml" and path.is_file() and path != (configured and configured.resolve()):
+            which = f"the gate's is {display_path(configured)}" if configured else "none is configured"
+            raise pytest.UsageError(f"{arg}: not the gate's thresholds file ({which}); "
+                                    f"pass --fp8gate-config {arg} to gate with it")
 
 
 def count_deselected(config: pytest.Config, items: list[pytest.Item]) -> None:

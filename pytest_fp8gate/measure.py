@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from . import corpus as corpus_mod
+from . import preflight
 from .atomic import atomic_write_text
 from .config import GateConfig, ModelSpec, TaskSpec
 from .dumps import RUN_ID, SAMPLES_RUN_ID, read_lm_eval_samples, write_lm_eval_samples, write_logprob_dump
@@ -40,7 +42,7 @@ PASS_DESCRIPTIONS = {
 
 
 class MeasurementError(Exception):
-    """A model's measurement failed before; its engine is not started again."""
+    """A model's measurement failed (now or earlier in the session); str() is one line naming the model."""
 
 
 @dataclass(frozen=True)
@@ -126,17 +128,23 @@ class Measurements:
     def _once(self, name: str, measure: Callable[[], None]) -> None:
         """Measure a model at most once: a failure is re-raised to every later rule, never retried."""
         if name in self._failures:
-            raise MeasurementError(f"measuring {name} failed earlier in this session: "
-                                   f"{type(self._failures[name]).__name__}: {self._failures[name]}")
+            raise MeasurementError(f"{self._failures[name]} (earlier in this session; not retried)")
         try:
             measure()
-        except (ComparisonError, corpus_mod.CorpusError) as err:
-            # The corpus or the engine's output failed a sanity check: name the model, no traceback.
-            self._failures[name] = MeasurementError(f"{name}: {err}")
+        except (ComparisonError, corpus_mod.CorpusError, MeasurementError) as err:
+            # The corpus or the engine's output failed a sanity check: the message says it all.
+            self._failures[name] = MeasurementError(f"measuring {name}: {err}")
             raise self._failures[name] from None
         except Exception as err:
-            self._failures[name] = err
-            raise
+            # Caught at the edge (vLLM, lm-eval, the hub): one line in the report, often minutes
+            # into an engine run; the traceback goes to a file for whoever debugs it.
+            saved = self.artifacts / name / "error.txt"
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(saved, "".join(traceback.format_exception(err)))
+            first = next((line for line in str(err).splitlines() if line.strip()), "")
+            self._failures[name] = MeasurementError(
+                f"measuring {name} failed: {type(err).__name__}: {first} (traceback: {saved})")
+            raise self._failures[name] from None
 
     # ---- engines -----------------------------------------------------------
 
@@ -168,6 +176,9 @@ class Measurements:
 
     def _measure_baseline(self) -> None:
         spec, needs = self.config.baseline, self._all_needs()
+        problem = preflight.hub_problem(self.config, self.needs)
+        if problem:
+            raise MeasurementError(problem)
         engine = self._start(spec, spec.name)
         try:
             if needs.probabilities:

@@ -27,12 +27,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(fixtures, "fp8gate-fixtures")
     config.pluginmanager.register(report.JsonReportMetadata(), "fp8gate-json-report")
     # `pytest --help` must keep working while the thresholds file is broken.
-    if settings.config_path is None or config.getoption("help", False):
+    if config.getoption("help", False):
         return
-    try:
-        config.stash[CONFIG_KEY] = load_config(options.display_path(settings.config_path))
-    except ConfigError as err:
-        raise pytest.UsageError(str(err)) from None
+    if settings.config_path is not None:
+        try:
+            config.stash[CONFIG_KEY] = load_config(options.display_path(settings.config_path))
+        except ConfigError as err:
+            raise pytest.UsageError(str(err)) from None
+    gating.check_toml_args(config, settings.config_path)
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:

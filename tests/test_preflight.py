@@ -199,3 +199,26 @@ def test_artifacts_directory_not_yet_there_is_fine(pytester: pytest.Pytester) ->
     pytester.makepyfile(ARTIFACTS_PROBE)
     pytester.runpytest("--fp8gate-artifacts", "new/dir").assert_outcomes(passed=1)
     assert not (pytester.path / "new").exists()  # created only when the gate writes
+
+
+def test_top_k_beyond_the_vocabulary(gate_dir: Path) -> None:
+    path = gate_dir / "thresholds.toml"
+    path.write_text(GATE.format(base="./base", cand="./cand", quantization="", engine="", corpus="corpus.txt")
+                    .replace("[probabilities]", "[probabilities]\ntop_k = 40"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}: probabilities.top_k: 40 exceeds the baseline's vocabulary of 32 tokens "
+                               "(config.json vocab_size)")
+
+
+def test_a_toml_that_is_not_the_configured_one(pytester: pytest.Pytester) -> None:
+    gate = '[baseline]\nname = "bf16"\nmodel = "org/base"\n[[candidates]]\nname = "fp8"\nquantization = "fp8"\n[speed]\n'
+    pytester.makefile(".toml", other=gate)
+    result = pytester.runpytest("other.toml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.stderr.lines[0] == ("ERROR: other.toml: not the gate's thresholds file (none is configured); "
+                                      "pass --fp8gate-config other.toml to gate with it")
+    pytester.makefile(".toml", thresholds=gate)
+    result = pytester.runpytest("other.toml")
+    assert result.stderr.lines[0] == ("ERROR: other.toml: not the gate's thresholds file (the gate's is "
+                                      "thresholds.toml); pass --fp8gate-config other.toml to gate with it")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from pytest_fp8gate import cli
 from pytest_fp8gate.config import load_config
 from pytest_fp8gate.dumps import SAMPLES_RUN_ID, write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.gate import Case, Gate, GateError
-from pytest_fp8gate.measure import ModelResult, PassResult
+from pytest_fp8gate.measure import MeasurementError, Measurements, ModelResult, Needs, PassResult
 from pytest_fp8gate.statistics import ComparisonError, LogprobRun
 
 
@@ -179,3 +180,53 @@ def test_the_chance_floor_is_configurable(tmp_path: Path) -> None:
     # Above the floor the rule judges the candidate: all of its answers are wrong, so it fails.
     above = _gate(tmp_path, [1] * 4 + [0] * 36, "[tasks.limits]\nmin_baseline_accuracy = 0.05")
     assert not above.evaluate(Case("accuracy", "fp8", "arith")).passed
+
+
+def test_a_filter_the_samples_lack_names_the_task_key(tmp_path: Path) -> None:
+    gate = _gate(tmp_path, [1] * 40)
+    wrong = replace(gate.config.tasks[0], filter="flexible-extract")
+    gate.config = replace(gate.config, tasks=(wrong,))
+    with pytest.raises(GateError) as info:
+        gate.evaluate(Case("flips", "fp8", "arith"))
+    assert str(info.value) == (
+        f"{gate.config.path}: tasks[0] (filter 'flexible-extract', metric 'exact_match'): lm-eval's samples do not "
+        "have it: lm-eval --log_samples JSONL rows with filter 'flexible-extract' (filters present: strict-match) "
+        f"(in {tmp_path / 'base.jsonl'})")
+
+
+# ---- failures inside an engine run, caught at the edge -------------------------------
+
+
+def _measurements(tmp_path: Path, model: str = "org/base") -> Measurements:
+    (tmp_path / "thresholds.toml").write_text(TASK_GATE.format(limits="").replace('"org/base"', f'"{model}"'))
+    return Measurements(load_config(tmp_path / "thresholds.toml"), tmp_path / "artifacts",
+                        {"fp8": Needs(tasks=frozenset({"arith"}))}, lambda line: None)
+
+
+def test_an_engine_side_failure_is_one_line_with_the_traceback_saved(tmp_path: Path) -> None:
+    measurements = _measurements(tmp_path)
+
+    def fails() -> None:
+        raise RuntimeError("Engine core initialization failed.\nSee root cause above.")
+
+    saved = tmp_path / "artifacts" / "bf16" / "error.txt"
+    with pytest.raises(MeasurementError) as info:
+        measurements._once("bf16", fails)
+    assert str(info.value) == f"measuring bf16 failed: RuntimeError: Engine core initialization failed. (traceback: {saved})"
+    assert "Traceback" in saved.read_text() and "See root cause above." in saved.read_text()
+    with pytest.raises(MeasurementError) as again:
+        measurements._once("bf16", fails)
+    assert str(again.value) == f"{info.value} (earlier in this session; not retried)"
+
+
+def test_an_uncached_hub_model_offline_fails_before_any_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    measurements = _measurements(tmp_path, model="org/not-downloaded")
+    with pytest.raises(MeasurementError) as info:
+        measurements.baseline()
+    assert str(info.value) == (
+        f"measuring bf16: {tmp_path / 'thresholds.toml'}: baseline.model: 'org/not-downloaded' is not in the Hugging "
+        "Face cache and HF_HUB_OFFLINE is set; download it first (hf download org/not-downloaded) or unset HF_HUB_OFFLINE")
