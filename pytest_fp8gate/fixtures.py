@@ -45,7 +45,11 @@ class GateSession:
         try:
             verdict = self.evaluate(case)
         except (GateError, MeasurementError) as err:
-            pytest.fail(str(err), pytrace=False)
+            reason = str(err)
+        else:
+            reason = None
+        if reason is not None:  # failed outside the except block, so no "During handling" chain is shown
+            pytest.fail(reason, pytrace=False)
         item.stash[VERDICT_KEY] = verdict
         self.config.stash.setdefault(VERDICTS_KEY, []).append(verdict)
         if not verdict.passed:

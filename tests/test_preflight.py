@@ -222,3 +222,22 @@ def test_a_toml_that_is_not_the_configured_one(pytester: pytest.Pytester) -> Non
     result = pytester.runpytest("other.toml")
     assert result.stderr.lines[0] == ("ERROR: other.toml: not the gate's thresholds file (the gate's is "
                                       "thresholds.toml); pass --fp8gate-config other.toml to gate with it")
+
+
+def test_a_rule_whose_model_is_not_cached_offline_fails_with_one_line(pytester: pytest.Pytester,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    pytester.makefile(".toml", thresholds='device = "cpu"\n[baseline]\nname = "bf16"\nmodel = "org/not-cached"\n'
+                                          '[[candidates]]\nname = "fp8"\nquantization = "fp8"\n'
+                                          '[probabilities]\ncorpus = "corpus.txt"\n[probabilities.limits]\n'
+                                          'max_mean_kl = 0.1\n')
+    pytester.makefile(".txt", corpus="Some text.")
+    result = pytester.runpytest("thresholds.toml")
+    result.assert_outcomes(failed=1)
+    message = (f"measuring bf16: {pytester.path / 'thresholds.toml'}: baseline.model: 'org/not-cached' is not in "
+               "the Hugging Face cache and HF_HUB_OFFLINE is set; download it first (hf download org/not-cached) "
+               "or unset HF_HUB_OFFLINE")
+    assert result.stdout.str().count(message) == 1
+    assert "During handling" not in result.stdout.str() and "Traceback" not in result.stdout.str()
