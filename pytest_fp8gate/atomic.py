@@ -8,19 +8,21 @@ import tempfile
 from collections.abc import Iterator
 from typing import IO
 
-__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_text"]
+__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_text", "publish_directory"]
 
 
-def _file_mode() -> int:
+def _umask() -> int:
     # Reading the umask means setting it; doing that once at import keeps the
     # window in which other threads see a borrowed umask as small as possible.
     umask = os.umask(0o022)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
 
 
-# mkstemp creates 0600 files; the result gets the permissions open() would give.
-_FILE_MODE = _file_mode()
+# mkstemp creates 0600 files and mkdtemp 0700 directories; results get the
+# permissions open() and mkdir() would give.
+_FILE_MODE = 0o666 & ~_umask()
+_DIR_MODE = 0o777 & ~_umask()
 
 
 @contextlib.contextmanager
@@ -59,3 +61,12 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
     with atomic_open(path, "w", encoding=encoding) as handle:
         handle.write(text)
+
+
+def publish_directory(directory: str | os.PathLike[str]) -> None:
+    """Give a directory built under mkdtemp (0700) and the files directly in it the
+    permissions mkdir() and open() would have given, before it is renamed into place."""
+    for entry in os.scandir(directory):
+        if entry.is_file(follow_symlinks=False):
+            os.chmod(entry.path, _FILE_MODE)
+    os.chmod(directory, _DIR_MODE)

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from .capabilities import cpu_engine_refusal
 from .config import GateConfig
 from .gate import Case
 from .measure import Needs
@@ -29,19 +30,31 @@ def cases_for(test_name: str, config: GateConfig) -> list[Any]:
     marks: list[Any] = [pytest.mark.fp8gate]
     if config.device == "cuda":
         marks.append(pytest.mark.gpu)
+    if rule == "speed" and config.speed and config.device == "cpu" and not config.speed.bandwidth_gbps:
+        marks.append(pytest.mark.skip(
+            reason=f"{config.path.name}: no memory-bandwidth figure for the CPU engine "
+            "(set speed.bandwidth_gbps to judge decode speed against a ceiling)"))
+    return [pytest.param(case, id=case.id, marks=marks + _engine_marks(config, case))
+            for case in _cases(rule, config)]
+
+
+def _engine_marks(config: GateConfig, case: Case) -> list[Any]:
+    """A skip for a candidate the configured engine is known to refuse, with the engine's reason."""
+    if config.device != "cpu":
+        return []
+    spec = next(c for c in config.candidates if c.name == case.candidate)
+    refusal = cpu_engine_refusal(spec.model, spec.quantization)
+    return [pytest.mark.skip(reason=f"{config.path.name}: candidate {spec.name}: {refusal}")] if refusal else []
+
+
+def _cases(rule: str, config: GateConfig) -> list[Case]:
     if rule in ("accuracy", "flips"):
-        cases = [Case(rule, c.name, t.name) for c in config.candidates for t in config.tasks]
-    elif rule == "speed":
-        cases = [Case(rule, c.name) for c in config.candidates] if config.speed else []
-        if config.speed and config.device == "cpu" and not config.speed.bandwidth_gbps:
-            marks.append(pytest.mark.skip(
-                reason=f"{config.path.name}: no memory-bandwidth figure for the CPU engine "
-                "(set speed.bandwidth_gbps to judge decode speed against a ceiling)"))
-    else:
-        limits = config.probabilities.limits if config.probabilities else None
-        wanted = limits is not None and getattr(limits, PROBABILITY_LIMITS[rule]) is not None
-        cases = [Case(rule, c.name) for c in config.candidates] if wanted else []
-    return [pytest.param(case, id=case.id, marks=marks) for case in cases]
+        return [Case(rule, c.name, t.name) for c in config.candidates for t in config.tasks]
+    if rule == "speed":
+        return [Case(rule, c.name) for c in config.candidates] if config.speed else []
+    limits = config.probabilities.limits if config.probabilities else None
+    wanted = limits is not None and getattr(limits, PROBABILITY_LIMITS[rule]) is not None
+    return [Case(rule, c.name) for c in config.candidates] if wanted else []
 
 
 def needs_of(cases: list[Case]) -> dict[str, Needs]:

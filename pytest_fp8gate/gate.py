@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import gpus, hardware, roofline, rules
-from .config import GateConfig, TaskSpec
+from .config import GateConfig, SpeedSpec, TaskSpec
 from .dumps import DumpFormatError
-from .measure import PASS_DESCRIPTIONS, Measurements, PassResult
+from .measure import PASS_DESCRIPTIONS, Measurements, ModelResult, PassResult
 from .rules import RuleOutcome
 from .statistics import (
     TOPK_KL,
@@ -239,12 +239,9 @@ class Gate:
         assert speed is not None
         if speed.bandwidth_gbps > 0:
             return speed.gpu, speed.bandwidth_gbps
-        names = [speed.gpu] if speed.gpu != "auto" else hardware.cuda_device_names()[:1]
-        for name in names:
-            entry = gpus.find_gpu(name)
-            if entry is not None:
-                return entry.name, entry.bandwidth_gbps
-        return None
+        name = hardware.resolve_gpu_name(speed.gpu)
+        entry = gpus.find_gpu(name) if name else None
+        return (entry.name, entry.bandwidth_gbps) if entry else None
 
     def speed(self, case: Case) -> Verdict:
         speed = self.config.speed
@@ -256,25 +253,66 @@ class Gate:
         gpu_name, bandwidth = found
         result = self.measurements.candidate(case.candidate)
         base = self.measurements.baseline()
-        assert result.latency is not None
-        parallel = int(result.spec.engine.get("tensor_parallel_size", 1))
-        estimate = roofline.estimate_from_path(
-            _weights_dir(result.spec.model), quantization=result.spec.quantization,
-            bandwidth_gbps=bandwidth * parallel, context_tokens=speed.input_len,
-        )
-        outcome = rules.speed_at_least_fraction(result.latency.decode_tok_s, estimate.ceiling_tok_s,
-                                                speed.min_fraction_of_ceiling)
-        notes = [f"{gpu_name}: {bandwidth:g} GB/s x {parallel} GPU(s); {estimate.bytes_per_token / 1e9:.3f} GB "
-                 f"read per token (weights + KV at {speed.input_len} tokens of context)",
+        assert result.latency is not None and base.latency is not None
+        context = roofline.decode_context_tokens(speed.input_len, speed.output_len)
+        estimates = {name: _roofline(model, bandwidth, context) for name, model in (("candidate", result),
+                                                                                     ("baseline", base))}
+        cand = rules.DecodeSpeed(result.latency.decode_tok_s, _ceiling(estimates["candidate"]))
+        base_speed = rules.DecodeSpeed(base.latency.decode_tok_s, _ceiling(estimates["baseline"]))
+        outcome = rules.decode_speed(cand, base_speed, rule=speed.rule,
+                                     min_share_of_baseline=speed.min_share_of_baseline,
+                                     min_fraction_of_ceiling=speed.min_fraction_of_ceiling,
+                                     overhead_bound_below=speed.overhead_bound_below,
+                                     min_ratio_overhead_bound=speed.min_ratio_overhead_bound)
+        notes = [f"{gpu_name}: {bandwidth:g} GB/s per GPU; bytes read per decoded token: "
+                 + "; ".join(f"{name} {e.bytes_per_token / 1e9:.3f} GB over {e.bandwidth_gbps / bandwidth:g} GPU(s)"
+                             for name, e in estimates.items())
+                 + f" (weights, and the KV cache at the decode's mean context of {context} tokens: "
+                 f"{speed.input_len} in, {speed.output_len} out)",
+                 _speed_judgement(speed, cand, base_speed),
                  f"decode excludes prefill: median {result.latency.median_prefill_s * 1e3:.1f} ms prefill of "
                  f"{speed.input_len} tokens, batch {speed.batch_size}",
                  f"KV-cache capacity: candidate {result.kv_cache_tokens} tokens, baseline {base.kv_cache_tokens} tokens"]
-        if base.latency is not None:
-            notes.append(f"baseline decode {base.latency.decode_tok_s:.1f} tok/s")
-        details = {"latency": result.latency.as_dict(), "roofline": estimate.as_dict(),
+        details = {"latency": result.latency.as_dict(), "roofline": estimates["candidate"].as_dict(),
+                   "baseline_roofline": estimates["baseline"].as_dict(),
                    "kv_cache_tokens": result.kv_cache_tokens, "baseline_kv_cache_tokens": base.kv_cache_tokens,
-                   "baseline_latency": base.latency.as_dict() if base.latency else None}
+                   "baseline_latency": base.latency.as_dict()}
         return Verdict(case, outcome, details, tuple(notes))
+
+
+def _roofline(model: ModelResult, bandwidth_gbps: float, context_tokens: int) -> roofline.RooflineEstimate:
+    """The model's decode roofline; with tensor parallelism each GPU reads its shard of every token's bytes."""
+    parallel = int(model.spec.engine.get("tensor_parallel_size", 1))
+    try:
+        return roofline.estimate_from_path(
+            _weights_dir(model.spec.model), quantization=model.spec.quantization,
+            bandwidth_gbps=bandwidth_gbps * parallel, context_tokens=context_tokens,
+            kv_cache_dtype=model.spec.engine.get("kv_cache_dtype"),
+        )
+    except roofline.RooflineError as err:
+        raise GateError(f"speed: cannot compute the roofline of {model.spec.name}: {err}") from None
+
+
+def _ceiling(estimate: roofline.RooflineEstimate) -> float:
+    assert estimate.ceiling_tok_s is not None  # a bandwidth was always given
+    return estimate.ceiling_tok_s
+
+
+def _speed_judgement(speed: SpeedSpec, cand: rules.DecodeSpeed, base: rules.DecodeSpeed) -> str:
+    bound = [(name, s) for name, s in (("candidate", cand), ("baseline", base))
+             if rules.is_overhead_bound(s, speed.overhead_bound_below)]
+    if bound:
+        name, s = bound[0]
+        return (f"the {name} is overhead-bound: its bytes take {1e6 / s.ceiling_tok_s:.1f} us at full bandwidth "
+                f"of a measured {1e6 / s.tok_s:.1f} us per token ({s.share:.2%} of the ceiling, under "
+                f"speed.overhead_bound_below = {speed.overhead_bound_below:g}), so no bandwidth ceiling applies; "
+                f"judged by candidate tok/s against the baseline's (speed.min_ratio_overhead_bound)")
+    if speed.rule == rules.SHARE_OF_CEILING:
+        return (f"judged as the article does: the candidate's share of its ceiling against "
+                f"speed.min_fraction_of_ceiling (speed.rule = {speed.rule!r})")
+    return (f"judged against the baseline on the same GPU: the candidate's share of its ceiling over the "
+            f"baseline's share, which equals the measured speedup over the speedup the bytes allow "
+            f"(speed.rule = {speed.rule!r}, limit speed.min_share_of_baseline)")
 
 
 def _weights_dir(model: str) -> Path:

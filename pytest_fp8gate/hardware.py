@@ -30,7 +30,7 @@ def probe_cuda() -> CudaProbe:
     notes = []
     # MIG instance ids cannot be mapped to nvidia-smi's GPU rows; torch resolves them.
     if smi and "MIG-" not in (visible or ""):
-        rows, failure = _nvidia_smi_rows(smi)
+        rows, failure = _nvidia_smi_rows(smi, "name")
         if rows is not None:
             names = _apply_visible(rows, visible)
             where = "nvidia-smi" if visible is None else f"nvidia-smi, CUDA_VISIBLE_DEVICES={visible!r}"
@@ -47,11 +47,35 @@ def cuda_device_names() -> list[str]:
     return list(probe_cuda().names)
 
 
-def _nvidia_smi_rows(smi: str) -> tuple[list[tuple[str, str, str]] | None, str]:
-    """(index, uuid, name) per GPU, or None and why nvidia-smi could not say."""
+def resolve_gpu_name(name: str) -> str | None:
+    """"auto": the first visible CUDA device's name (None without one); any other name as given."""
+    if name != "auto":
+        return name
+    names = cuda_device_names()
+    return names[0] if names else None
+
+
+def cuda_free_memory_mib() -> list[int] | None:
+    """Free memory of each visible CUDA device in MiB (nvidia-smi), None where it cannot tell.
+
+    Read from outside the engine, so it counts what a child-process engine core
+    still holds, and it creates no CUDA context in this process.
+    """
+    smi = shutil.which("nvidia-smi")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not smi or "MIG-" in (visible or ""):
+        return None
+    rows, _ = _nvidia_smi_rows(smi, "memory.free", "nounits")
+    if rows is None:
+        return None
+    return [int(value) for value in _apply_visible(rows, visible)]
+
+
+def _nvidia_smi_rows(smi: str, field: str, *formats: str) -> tuple[list[tuple[str, str, str]] | None, str]:
+    """(index, uuid, field) per GPU, or None and why nvidia-smi could not say."""
     try:
         done = subprocess.run(
-            [smi, "--query-gpu=index,uuid,name", "--format=csv,noheader"],
+            [smi, f"--query-gpu=index,uuid,{field}", "--format=" + ",".join(["csv", "noheader", *formats])],
             capture_output=True,
             text=True,
             timeout=_SMI_TIMEOUT_S,
@@ -70,8 +94,9 @@ def _nvidia_smi_rows(smi: str) -> tuple[list[tuple[str, str, str]] | None, str]:
 
 
 def _apply_visible(rows: list[tuple[str, str, str]], visible: str | None) -> tuple[str, ...]:
-    """The CUDA runtime's reading of CUDA_VISIBLE_DEVICES: indices or GPU-uuid
-    prefixes, in the order given, stopping at the first entry that matches nothing."""
+    """The third column of the visible devices' rows, read the way the CUDA runtime reads
+    CUDA_VISIBLE_DEVICES: indices or GPU-uuid prefixes, in the order given, stopping
+    at the first entry that matches nothing."""
     if visible is None:
         return tuple(name for _, _, name in rows)
     names = []

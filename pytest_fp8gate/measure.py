@@ -9,6 +9,7 @@ measurement is written under the artifacts directory (atomically) so that
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -16,10 +17,12 @@ import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from . import capabilities as capabilities_mod
 from . import corpus as corpus_mod
-from . import preflight
+from . import hardware, preflight
+from .capabilities import EngineCapabilities
 from .atomic import atomic_write_text
 from .config import GateConfig, ModelSpec, TaskSpec
 from .dumps import RUN_ID, SAMPLES_RUN_ID, read_lm_eval_samples, write_lm_eval_samples, write_logprob_dump
@@ -104,6 +107,9 @@ class Measurements:
         self._failures: dict[str, BaseException] = {}
         # Why the engine could not score the baseline's top-k ids (None: it could, or was not asked).
         self.id_scoring_refusal: str | None = None
+        self.capabilities: EngineCapabilities | None = None  # of the last engine started
+        # label -> free MiB per visible GPU before start, while running, after shutdown (None: no GPU).
+        self.gpu_free_mib: dict[str, dict[str, list[int] | None]] = {}
 
     # ---- public ------------------------------------------------------------
 
@@ -148,11 +154,27 @@ class Measurements:
 
     # ---- engines -----------------------------------------------------------
 
-    def _start(self, spec: ModelSpec, label: str, dtype: str | None = None) -> Engine:
+    @contextlib.contextmanager
+    def _running(self, spec: ModelSpec, label: str, dtype: str | None = None) -> Iterator[Engine]:
+        """A started engine for ``spec``, shut down on leaving; free GPU memory is
+        recorded before the start, while it runs and after the shutdown."""
         self.engine_starts[label] = self.engine_starts.get(label, 0) + 1
         self.announce(f"fp8gate: engine start: {label} ({spec.model}, quantization={spec.quantization})")
-        return Engine(spec, max_logprobs=self._max_logprobs(), dtype=dtype,
-                      in_process=self.config.deterministic_scheduling)
+        memory = {"before_start": hardware.cuda_free_memory_mib()}
+        engine = Engine(spec, max_logprobs=self._max_logprobs(), dtype=dtype,
+                        in_process=self.config.deterministic_scheduling)
+        self.capabilities = engine.capabilities
+        note = capabilities_mod.version_note(engine.capabilities.vllm_version)
+        if note:
+            self.announce(f"fp8gate: {note}")
+        memory["running"] = hardware.cuda_free_memory_mib()
+        try:
+            yield engine
+        finally:
+            engine.shutdown()
+            memory["after_shutdown"] = hardware.cuda_free_memory_mib()
+            self.gpu_free_mib[label] = memory
+            atomic_write_text(self.artifacts / "gpu_memory.json", json.dumps(self.gpu_free_mib, indent=1))
 
     def _max_logprobs(self) -> int:
         probs = self.config.probabilities
@@ -179,8 +201,7 @@ class Measurements:
         problem = preflight.hub_problem(self.config, self.needs)
         if problem:
             raise MeasurementError(problem)
-        engine = self._start(spec, spec.name)
-        try:
+        with self._running(spec, spec.name) as engine:
             if needs.probabilities:
                 assert self.config.probabilities is not None
                 self._chunks = corpus_mod.chunk_corpus(engine, self.config.probabilities, self.config.path)
@@ -189,22 +210,13 @@ class Measurements:
                 self._noise[BATCH_ORDER_PASS] = self._passes(
                     engine, spec, needs, BATCH_ORDER_PASS, batch_size=NOISE_BATCH_SIZE, reverse=True
                 )
-        finally:
-            engine.shutdown()
         if FP16_PASS in self.config.noise.passes:
-            label = f"{spec.name}-fp16"
-            engine = self._start(spec, label, dtype="float16")
-            try:
+            with self._running(spec, f"{spec.name}-fp16", dtype="float16") as engine:
                 self._noise[FP16_PASS] = self._passes(engine, spec, needs, FP16_PASS)
-            finally:
-                engine.shutdown()
 
     def _measure_model(self, spec: ModelSpec, needs: Needs) -> ModelResult:
-        engine = self._start(spec, spec.name)
-        try:
+        with self._running(spec, spec.name) as engine:
             return self._measure_with(engine, spec, needs)
-        finally:
-            engine.shutdown()
 
     def _measure_with(self, engine: Engine, spec: ModelSpec, needs: Needs) -> ModelResult:
         main = self._passes(engine, spec, needs, "main")
@@ -212,7 +224,7 @@ class Measurements:
         if needs.speed and self.config.speed is not None:
             s = self.config.speed
             result.latency = engine.latency(s.input_len, s.output_len, s.batch_size, s.warmup_iters, s.iters)
-        self._write_engine_facts(spec.name, result)
+        self._write_engine_facts(spec.name, result, engine.capabilities)
         return result
 
     def _passes(
@@ -311,9 +323,10 @@ class Measurements:
             self._task_manager = TaskManager(include_path=paths or None, include_defaults=builtin_needed)
         return self._task_manager
 
-    def _write_engine_facts(self, name: str, result: ModelResult) -> None:
+    def _write_engine_facts(self, name: str, result: ModelResult, engine_capabilities: EngineCapabilities) -> None:
         facts = {
             RUN_ID: self.run_id,
+            "engine": engine_capabilities.as_dict(),
             "model": result.spec.model,
             "quantization": result.spec.quantization,
             "engine_start_s": result.start_s,

@@ -87,6 +87,15 @@ class RooflineEstimate:
         }
 
 
+def decode_context_tokens(input_len: int, output_len: int) -> int:
+    """Mean context over a decode: the step that writes token j of the output reads
+    the KV cache of input_len + j - 1 tokens, for j = 2 .. output_len (token 1 comes
+    from prefill)."""
+    if input_len < 0 or output_len < 1:
+        raise RooflineError(f"need input_len >= 0 and output_len >= 1, got {input_len} and {output_len}")
+    return round(input_len + output_len / 2)
+
+
 def estimate_from_path(
     path: Path | str,
     quantization: str | None = None,

@@ -18,7 +18,8 @@ __all__ = [
     "at_least",
     "at_most",
     "flips_within_noise_floor",
-    "speed_at_least_fraction",
+    "DecodeSpeed",
+    "decode_speed",
 ]
 
 Row = tuple[str, float]
@@ -196,19 +197,75 @@ def at_most(
     return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, -1, measured_se, k_se)
 
 
-def speed_at_least_fraction(
-    measured_tok_s: float, ceiling_tok_s: float, fraction: float = 0.8
+@dataclass(frozen=True)
+class DecodeSpeed:
+    """One model's measured batch-1 decode speed and its memory-bandwidth ceiling."""
+
+    tok_s: float
+    ceiling_tok_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.ceiling_tok_s > 0 and math.isfinite(self.ceiling_tok_s)):
+            raise ValueError(f"ceiling_tok_s must be positive and finite, got {self.ceiling_tok_s}")
+        if not (self.tok_s > 0 and math.isfinite(self.tok_s)):
+            raise ValueError(f"tok_s must be positive and finite, got {self.tok_s}")
+
+    @property
+    def share(self) -> float:
+        """Share of the ceiling reached: bandwidth time of a token's bytes / measured time per token."""
+        return self.tok_s / self.ceiling_tok_s
+
+
+SHARE_OF_BASELINE = "share_of_baseline"
+SHARE_OF_CEILING = "share_of_ceiling"
+SPEED_RULES = (SHARE_OF_BASELINE, SHARE_OF_CEILING)
+
+
+def decode_speed(
+    candidate: DecodeSpeed,
+    baseline: DecodeSpeed,
+    rule: str = SHARE_OF_BASELINE,
+    min_share_of_baseline: float = 0.6,
+    min_fraction_of_ceiling: float = 0.8,
+    overhead_bound_below: float = 0.1,
+    min_ratio_overhead_bound: float = 0.9,
 ) -> RuleOutcome:
-    """Decode speed must reach ``fraction`` of the memory-bandwidth ceiling."""
-    if ceiling_tok_s <= 0:
-        raise ValueError(f"ceiling_tok_s must be positive, got {ceiling_tok_s}")
-    required = fraction * ceiling_tok_s
+    """Decode speed judged against the bandwidth ceiling, next to the baseline's on the same GPU.
+
+    ``share_of_baseline``: the candidate's share of its ceiling must be at least
+    ``min_share_of_baseline`` times the baseline's share; the same number is the
+    measured speedup over the speedup the bytes allow. ``share_of_ceiling`` (the
+    article's rule): the candidate's share must reach ``min_fraction_of_ceiling``.
+    When either model reaches less than ``overhead_bound_below`` of its ceiling,
+    per-step overhead, not bandwidth, sets its speed and no ceiling applies: the
+    candidate's tok/s must then be at least ``min_ratio_overhead_bound`` times the
+    baseline's.
+    """
+    if rule not in SPEED_RULES:
+        raise ValueError(f"rule must be one of {SPEED_RULES}, got {rule!r}")
+    speedup = candidate.tok_s / baseline.tok_s
+    allowed = candidate.ceiling_tok_s / baseline.ceiling_tok_s
     rows: list[Row] = [
-        ("bandwidth ceiling tok/s", ceiling_tok_s),
-        ("required fraction", fraction),
-        ("measured tok/s", measured_tok_s),
-        ("measured fraction", measured_tok_s / ceiling_tok_s),
+        ("baseline tok/s", baseline.tok_s),
+        ("baseline ceiling tok/s", baseline.ceiling_tok_s),
+        ("baseline share of ceiling", baseline.share),
+        ("candidate tok/s", candidate.tok_s),
+        ("candidate ceiling tok/s", candidate.ceiling_tok_s),
+        ("candidate share of ceiling", candidate.share),
+        ("measured speedup", speedup),
+        ("speedup the bytes allow", allowed),
     ]
-    return _outcome(
-        "speed_at_least_fraction", measured_tok_s, required, measured_tok_s - required, rows
-    )
+    if is_overhead_bound(candidate, overhead_bound_below) or is_overhead_bound(baseline, overhead_bound_below):
+        rows.append(("overhead-bound below share", overhead_bound_below))
+        return _outcome("speed", speedup, min_ratio_overhead_bound, speedup - min_ratio_overhead_bound, rows)
+    if rule == SHARE_OF_CEILING:
+        return _outcome("speed", candidate.share, min_fraction_of_ceiling,
+                        candidate.share - min_fraction_of_ceiling, rows)
+    ratio = candidate.share / baseline.share
+    rows.append(("share ratio (= speedup / allowed)", ratio))
+    return _outcome("speed", ratio, min_share_of_baseline, ratio - min_share_of_baseline, rows)
+
+
+def is_overhead_bound(speed: DecodeSpeed, overhead_bound_below: float) -> bool:
+    """Bytes explain too little of the step time for the bandwidth ceiling to apply."""
+    return speed.share < overhead_bound_below

@@ -240,12 +240,22 @@ def test_roofline_wires_arguments_to_estimate_from_path(capsys, fake_roofline, t
                 "gpu": "L40S",
                 "bandwidth_gbps": None,
                 "context_tokens": 1000,
+                "kv_cache_dtype": None,
             },
         )
     ]
     code, out, _ = run_cli(capsys, "roofline", config, "--bandwidth-gbps", "864")
     assert calls[-1][1]["bandwidth_gbps"] == 864.0 and calls[-1][1]["context_tokens"] == 0
     assert "ceiling_tok_s    107.6" in out
+
+
+def test_roofline_gpu_auto_detects_the_gpu_as_the_gate_does(capsys, llama_config, fake_gpus):
+    fake_gpus("NVIDIA H200")
+    code, out, _ = run_cli(capsys, "roofline", str(llama_config), "--gpu", "auto", "--json")
+    assert code == 0 and json.loads(out)["gpu"] == "H200" and json.loads(out)["bandwidth_gbps"] == 4800
+    fake_gpus()
+    code, _, err = run_cli(capsys, "roofline", str(llama_config), "--gpu", "auto")
+    assert code == 2 and "--gpu auto: no CUDA device visible" in err
 
 
 def test_roofline_errors_are_one_line(capsys, fake_roofline):

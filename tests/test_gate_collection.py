@@ -122,4 +122,39 @@ def test_demo_creates_its_workdir_and_collects_the_demo_rules(tmp_path) -> None:
     assert (workdir / "thresholds.toml").is_file()
     assert "thresholds.toml::test_flips_within_noise_floor[fp8-per-channel-tiny-arith]" in done.stdout
     assert "thresholds.toml::test_kl_within_limit[fp8-per-channel]" in done.stdout
-    assert "7 tests collected" in done.stdout
+    # fp8_per_channel online and the two checkpoints written from the model, 7 rules each
+    assert "thresholds.toml::test_kl_within_limit[fp8-dynamic]" in done.stdout
+    assert "thresholds.toml::test_kl_within_limit[fp8-static]" in done.stdout
+    assert "21 tests collected" in done.stdout
+
+
+def test_demo_on_cuda_judges_speed_with_cuda_graphs(tmp_path) -> None:
+    from pytest_fp8gate.config import load_config
+    from pytest_fp8gate.demo_run import demo_config_text
+
+    path = tmp_path / "thresholds.toml"
+    path.write_text(demo_config_text({}, cuda=True), encoding="utf-8")
+    config = load_config(path)
+    assert config.device == "cuda" and config.baseline.engine["enforce_eager"] is False
+    assert config.speed is not None and config.speed.gpu == "auto"
+
+
+def test_cpu_skips_a_candidate_it_cannot_run_with_the_engines_reason(pytester: pytest.Pytester, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from pytest_fp8gate.demo_run import CHECKPOINT_SCHEMES, demo_config_text
+    from pytest_fp8gate.embedded import embedded_assets
+
+    # Written in a child process: torch and transformers stay out of this one.
+    checkpoints = {scheme: tmp_path / scheme for scheme in CHECKPOINT_SCHEMES}
+    for scheme, path in checkpoints.items():
+        subprocess.run([sys.executable, "-m", "pytest_fp8gate.cli", "quantize", str(embedded_assets().model),
+                        str(path), "--scheme", scheme], check=True, capture_output=True, timeout=120)
+    pytester.makefile(".toml", thresholds=demo_config_text({}, checkpoints))
+    result = pytester.runpytest("--collect-only", "-q", "-rs", "thresholds.toml")
+    skipped = [item for item in result.stdout.lines if "fp8-static" in item]
+    assert skipped  # collected, then skipped at run time with the reason below
+    run = pytester.runpytest("-q", "-rs", "-k", "fp8-static", "thresholds.toml")
+    run.assert_outcomes(skipped=7)
+    run.stdout.fnmatch_lines(["*candidate fp8-static*static activation scales*static_scaled_fp8_quant*"])

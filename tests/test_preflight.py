@@ -230,7 +230,7 @@ def test_a_rule_whose_model_is_not_cached_offline_fails_with_one_line(pytester: 
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     pytester.makefile(".toml", thresholds='device = "cpu"\n[baseline]\nname = "bf16"\nmodel = "org/not-cached"\n'
-                                          '[[candidates]]\nname = "fp8"\nquantization = "fp8"\n'
+                                          '[[candidates]]\nname = "fp8"\nquantization = "fp8_per_channel"\n'
                                           '[probabilities]\ncorpus = "corpus.txt"\n[probabilities.limits]\n'
                                           'max_mean_kl = 0.1\n')
     pytester.makefile(".txt", corpus="Some text.")

@@ -5,11 +5,14 @@ import math
 import pytest
 
 from pytest_fp8gate.rules import (
+    SHARE_OF_CEILING,
+    DecodeSpeed,
     accuracy_within_se,
     at_least,
     at_most,
+    decode_speed,
     flips_within_noise_floor,
-    speed_at_least_fraction,
+    is_overhead_bound,
 )
 
 # The article's GSM8K example: 1,319 questions at about 82%, one SE = 1.06 points.
@@ -123,17 +126,61 @@ def test_floor_ratio_without_floor_is_an_error():
         at_most("mean_kl", 0.001, 0.002, floor_ratio=2.0)
 
 
-def test_speed_at_least_eighty_percent_of_ceiling():
+# H200, vLLM 0.26.0, 8B shape (shared/gpu/README.md): BF16 206.2 of 317.6 tok/s (65%),
+# online fp8_per_channel 278.8 of 587.7 tok/s (47%), 1.35x where the bytes allow 1.85x.
+H200_BF16 = DecodeSpeed(206.2, 317.6)
+H200_FP8 = DecodeSpeed(278.8, 587.7)
+
+
+def test_healthy_fp8_passes_against_the_baseline_share_and_fails_the_articles_fixed_share():
+    relative = decode_speed(H200_FP8, H200_BF16)
+    assert relative.passed and relative.rule == "speed"
+    rows = dict(relative.rows)
+    assert rows["measured speedup"] == pytest.approx(278.8 / 206.2)
+    assert rows["speedup the bytes allow"] == pytest.approx(587.7 / 317.6)
+    # The share ratio is the measured speedup over the speedup the bytes allow.
+    assert relative.measured == pytest.approx(rows["measured speedup"] / rows["speedup the bytes allow"])
+    assert relative.measured == pytest.approx(H200_FP8.share / H200_BF16.share)
+    fixed = decode_speed(H200_FP8, H200_BF16, rule=SHARE_OF_CEILING)
+    assert not fixed.passed and fixed.margin == pytest.approx(H200_FP8.share - 0.8)
+
+
+def test_fp8_that_realises_none_of_its_byte_savings_fails():
+    # Planted: FP8 weights dequantized to BF16 at load run at BF16's speed.
+    no_gain = decode_speed(DecodeSpeed(206.2, 587.7), H200_BF16)
+    assert not no_gain.passed
+    assert no_gain.measured == pytest.approx(1 / (587.7 / 317.6))
+
+
+def test_article_rule_on_the_l40s():
     # The article: 46 tok/s is 80% of the L40S BF16 ceiling of 57.6 tok/s.
-    assert speed_at_least_fraction(46.1, 57.6).passed
-    slow = speed_at_least_fraction(40.0, 57.6)
-    assert not slow.passed
-    assert slow.margin == pytest.approx(40.0 - 0.8 * 57.6)
-    assert dict(slow.rows)["measured fraction"] == pytest.approx(40.0 / 57.6)
+    base = DecodeSpeed(46.1, 57.6)
+    assert decode_speed(DecodeSpeed(86.1, 107.6), base, rule=SHARE_OF_CEILING).passed
+    slow = decode_speed(DecodeSpeed(80.0, 107.6), base, rule=SHARE_OF_CEILING)
+    assert not slow.passed and slow.measured == pytest.approx(80.0 / 107.6)
+
+
+def test_overhead_bound_model_is_judged_against_the_baseline_tok_s_not_a_ceiling():
+    # The embedded model on the H200: 617 tok/s against a "ceiling" of 600,615.
+    base = DecodeSpeed(617.0, 600_615.0)
+    same = decode_speed(DecodeSpeed(600.0, 1_150_000.0), base)
+    assert same.passed and same.measured == pytest.approx(600 / 617)
+    assert dict(same.rows)["overhead-bound below share"] == 0.1
+    slower = decode_speed(DecodeSpeed(500.0, 1_150_000.0), base, rule=SHARE_OF_CEILING)
+    assert not slower.passed and slower.limit == 0.9  # the rule choice does not apply without a ceiling
+    assert is_overhead_bound(base, 0.1) and not is_overhead_bound(H200_BF16, 0.1)
+
+
+def test_decode_speed_refuses_impossible_figures():
+    for tok_s, ceiling in ((0.0, 10.0), (10.0, 0.0), (float("nan"), 10.0), (10.0, float("inf"))):
+        with pytest.raises(ValueError):
+            DecodeSpeed(tok_s, ceiling)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        decode_speed(H200_FP8, H200_BF16, rule="fastest")
 
 
 def test_outcome_rows_end_with_threshold_and_margin_and_serialise():
-    outcome = speed_at_least_fraction(90.0, 107.6)
+    outcome = decode_speed(H200_FP8, H200_BF16)
     assert [label for label, _ in outcome.rows[-2:]] == ["threshold", "margin"]
     plain = outcome.as_dict()
     assert plain["passed"] is True and plain["rows"][-1] == ["margin", outcome.margin]

