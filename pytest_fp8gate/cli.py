@@ -6,18 +6,22 @@ in ``_COMMANDS``. An ``_add_`` function builds its parser (calling
 parsed arguments and returning the exit status; ``emit`` prints its result.
 Raising CommandError (or DumpFormatError, or OSError for unreadable files)
 prints one ``fp8gate: error: ...`` line and exits with status 2.
+
+``--json`` output is strict JSON (RFC 8259 has no NaN or Infinity): a NaN
+becomes ``null``, an infinity the string ``"inf"`` or ``"-inf"``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .dumps import DumpFormatError, read_lm_eval_samples, read_logprob_dump
+from .dumps import DumpFormatError, dump_run_id, read_lm_eval_samples, read_logprob_dump, samples_run_id
 from .statistics import ComparisonError, compare_answers, compare_logprobs
 
 __all__ = ["CommandError", "build_parser", "emit", "main"]
@@ -38,12 +42,30 @@ def emit(
 ) -> None:
     """Print ``payload`` as JSON under --json, else ``rows`` as an aligned table."""
     if args.json:
-        print(json.dumps(payload, indent=2))
+        print(json.dumps(_strict_json(payload), indent=2, allow_nan=False))
         return
     rows = list(rows)
     width = max((len(label) for label, _ in rows), default=0)
     for label, value in rows:
         print(f"{label:<{width}}  {value}".rstrip())
+
+
+def _strict_json(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, Mapping):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(item) for item in value]
+    return value
+
+
+def _same_run(base: str, cand: str, run_id: Callable[[str], str | None]) -> None:
+    """Refuse to pair artifacts that two different gate runs wrote (files without a run id pair freely)."""
+    base_id, cand_id = run_id(base), run_id(cand)
+    if base_id is not None and cand_id is not None and base_id != cand_id:
+        raise CommandError(f"{cand}: written by gate run {cand_id}, but baseline {base} by run {base_id}; "
+                           "artifacts of two different runs are not compared")
 
 
 def _pct(fraction: float, digits: int = 3) -> str:
@@ -67,6 +89,7 @@ def _add_compare_logprobs(subparsers: Any) -> None:
 
 
 def _run_compare_logprobs(args: argparse.Namespace) -> int:
+    _same_run(args.base, args.cand, dump_run_id)
     base = read_logprob_dump(args.base)
     cand = read_logprob_dump(args.cand)
     try:
@@ -115,6 +138,7 @@ def _add_flips(subparsers: Any) -> None:
 
 
 def _run_flips(args: argparse.Namespace) -> int:
+    _same_run(args.base, args.cand, samples_run_id)
     base = read_lm_eval_samples(args.base, args.filter, args.metric)
     cand = read_lm_eval_samples(args.cand, args.filter, args.metric)
     try:

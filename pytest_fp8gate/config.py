@@ -15,8 +15,9 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Collection, Literal
 
-from . import gpus
+from . import checkpoint, gpus
 from .rules import SHARE_OF_BASELINE, SPEED_RULES
+from .vllm_names import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -90,6 +91,8 @@ class TaskLimits:
     two_sided: bool = False
     flips_ratio: float = 2.0
     min_flip_allowance: float = 0.01
+    # The baseline must score above this, or the task cannot tell a broken build from a good one.
+    min_baseline_accuracy: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -266,6 +269,18 @@ def _name(value: Any) -> str:
     return value
 
 
+def _vllm_name(what: str, names: Collection[str], *, allow_empty: bool = False) -> _Check:
+    text = _text(allow_empty=allow_empty)
+
+    def check(value: Any) -> str:
+        name = text(value)
+        if name and name not in names:
+            raise _Invalid(f"unknown vLLM {what} {name!r}; {_suggest_key(name, names)}")
+        return name
+
+    return check
+
+
 def _full_vocab(value: Any) -> bool | str:
     if value == "auto" or isinstance(value, bool):
         return value
@@ -291,7 +306,7 @@ _ENGINE: dict[str, _Check] = {
     "data_parallel_size": _integer(1),
     "max_model_len": _integer(1),
     "gpu_memory_utilization": _number(0, 1, low_open=True),
-    "kv_cache_dtype": _text(),
+    "kv_cache_dtype": _vllm_name("kv_cache_dtype", KV_CACHE_DTYPES),
     "enforce_eager": _boolean,
     "max_num_seqs": _integer(1),
     "max_num_batched_tokens": _integer(1),
@@ -347,6 +362,7 @@ _TASK_LIMIT_CHECKS = {
     "two_sided": _boolean,
     "flips_ratio": _RATIO,
     "min_flip_allowance": _FRACTION,
+    "min_baseline_accuracy": _FRACTION,
 }
 _SPEED_CHECKS = {
     "input_len": _integer(1),
@@ -410,6 +426,7 @@ class _Table:
 class _Parser:
     def __init__(self, label: str, base_dir: Path):
         self.label, self.base_dir = label, base_dir
+        self.model_configs: dict[str, dict[str, Any]] = {}  # local model path -> its config.json
 
     def error(self, where: str, message: str) -> ConfigError:
         return ConfigError(f"{self.label}: {where}: {message}")
@@ -449,6 +466,7 @@ class _Parser:
         if config.probabilities is None and not config.tasks and config.speed is None:
             raise self.error("(top level)", "expected at least one check: [probabilities], [[tasks]] or [speed]")
         self.check_context_fits(config)
+        self.check_top_k_fits(config)
         return config
 
     # models
@@ -458,12 +476,30 @@ class _Parser:
         # A candidate without a model quantizes the baseline's weights online.
         model = table.get("model", _text(), MISSING if baseline is None else baseline.model)
         model = self.model_ref(table.key("model"), model)
-        quantization = table.get("quantization", _text(allow_empty=True), "") or None
+        quantization = table.get("quantization", _vllm_name("quantization method", QUANTIZATION_METHODS,
+                                                            allow_empty=True), "") or None
         engine = self.engine(table.table("engine", _ENGINE))
         spec = ModelSpec(name, model, quantization, {**(baseline.engine if baseline else {}), **engine})
         if baseline is not None and spec == replace(baseline, name=name):
             raise self.error(table.where, "same model, quantization and engine as the baseline; it would gate nothing")
+        self.check_local_model(table.key("model"), model, baseline)
         return spec
+
+    def check_local_model(self, where: str, model: str, baseline: ModelSpec | None) -> None:
+        """A local checkpoint must be loadable, and share the baseline's vocabulary."""
+        if not Path(model).is_absolute() or model in self.model_configs:
+            return
+        try:
+            self.model_configs[model] = checkpoint.check_model_dir(Path(model))
+        except checkpoint.CheckpointError as err:
+            raise self.error(where, str(err)) from None
+        if baseline is None or baseline.model not in self.model_configs:
+            return
+        mine = checkpoint.vocab_size(self.model_configs[model])
+        base = checkpoint.vocab_size(self.model_configs[baseline.model])
+        if mine is not None and base is not None and mine != base:
+            raise self.error(where, f"vocabulary of {mine} tokens (config.json vocab_size) differs from the "
+                                    f"baseline's {base}; the gate compares the two token by token")
 
     def engine(self, table: _Table) -> dict[str, Any]:
         engine = {key: table.get(key, check) for key, check in _ENGINE.items() if key in table.raw}
@@ -478,6 +514,16 @@ class _Parser:
             return str(local)
         if value.startswith(("./", "../", "/", "~")) or value in (".", ".."):
             raise self.error(where, f"local path not found: {local}")
+        if Path(value).exists():
+            # vLLM would load it from the working directory, whichever that is on the runner.
+            raise self.error(where, f"{value!r} exists in the working directory but not next to the thresholds "
+                                    f"file ({local}); write a path relative to the thresholds file or an absolute one")
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(value)
+        except HFValidationError as err:
+            raise self.error(where, f"neither a local path ({local} not found) nor a Hugging Face id: {err}") from None
         return value
 
     def resolve(self, value: str) -> Path:
@@ -518,11 +564,21 @@ class _Parser:
         path = self.resolve(value)
         if not path.is_file():
             raise self.error(where, f"file not found: {path} (expected {_CORPUS_FORMS})")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise self.error(where, f"{path}: not UTF-8 text (byte {err.start})") from None
+        if not text.strip():
+            raise self.error(where, f"{path}: no text to score")
         return FileCorpus(path)
 
     def task(self, table: _Table) -> TaskSpec:
         values = table.values(TaskSpec, _TASK_CHECKS)
         values["include_path"] = self.directory(table.key("include_path"), values["include_path"])
+        if values["task"].endswith((".yaml", ".yml")) or "/" in values["task"]:
+            # lm-eval would load a task file relative to the working directory and import its !function code.
+            raise self.error(table.key("task"), f"expected a task name, got the file {values['task']!r}; "
+                                                "put the YAML in a directory named by include_path")
         limits = table.table("limits", _TASK_LIMIT_CHECKS)
         spec = TaskSpec(
             name=table.get("name", _name, values["task"]),
@@ -554,6 +610,14 @@ class _Parser:
                     "or any label together with speed.bandwidth_gbps > 0",
                 )
         return SpeedSpec(**values)
+
+    def check_top_k_fits(self, config: GateConfig) -> None:
+        """vLLM refuses more log-probs per position than the vocabulary has (known for a local baseline)."""
+        base = self.model_configs.get(config.baseline.model)
+        vocab = checkpoint.vocab_size(base) if base is not None else None
+        if config.probabilities and vocab is not None and config.probabilities.top_k > vocab:
+            raise self.error("probabilities.top_k", f"{config.probabilities.top_k} exceeds the baseline's "
+                                                    f"vocabulary of {vocab} tokens (config.json vocab_size)")
 
     def check_context_fits(self, config: GateConfig) -> None:
         """Fail now, not after an engine start, when a check's sequences exceed max_model_len."""

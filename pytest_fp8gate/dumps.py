@@ -25,11 +25,15 @@ from .atomic import atomic_open
 from .statistics import AnswerRecord, LogprobRun
 
 __all__ = [
+    "RUN_ID",
+    "SAMPLES_RUN_ID",
     "DumpFormatError",
     "read_lm_eval_generations",
+    "dump_run_id",
     "read_lm_eval_samples",
     "read_logprob_dump",
     "read_logprob_metadata",
+    "samples_run_id",
     "write_lm_eval_samples",
     "write_logprob_dump",
 ]
@@ -42,6 +46,10 @@ _ZIP_MAGIC = b"PK\x03\x04"
 _ARTICLE_FORMAT = 'a JSON list of {"real": <float>, "top": <int>} objects'
 _NPZ_FORMAT = f"an fp8gate .npz dump with arrays {', '.join(_REQUIRED_ARRAYS)}"
 _SAMPLES_FORMAT = "lm-eval --log_samples JSONL rows"
+# Every artifact of one gate run carries its run id (a dump's metadata key, a sample row's
+# field), so that files of two runs mixed in one artifacts directory are never paired.
+RUN_ID = "run_id"
+SAMPLES_RUN_ID = "fp8gate_run_id"
 
 
 class DumpFormatError(ValueError):
@@ -93,6 +101,29 @@ def read_logprob_metadata(path: PathLike) -> dict[str, Any]:
     return metadata
 
 
+def dump_run_id(path: PathLike) -> str | None:
+    """The gate run that wrote a log-prob dump; None for dumps from other tools."""
+    run_id = read_logprob_metadata(path).get(RUN_ID)
+    return None if run_id is None else str(run_id)
+
+
+def samples_run_id(path: PathLike) -> str | None:
+    """The gate run that wrote a samples file; None for lm-eval's own files."""
+    seen = set()
+    with open(path, "rb") as handle:
+        for line in handle:
+            try:
+                row = json.loads(line) if line.strip() else {}
+            except ValueError:
+                continue  # read_lm_eval_samples reports the line
+            if isinstance(row, dict):
+                seen.add(row.get(SAMPLES_RUN_ID))
+    ids = sorted(str(i) for i in seen if i is not None)
+    if len(ids) > 1 or (ids and None in seen):
+        raise DumpFormatError(path, f"{_SAMPLES_FORMAT} of one gate run; rows of runs {', '.join(ids)} are mixed")
+    return ids[0] if ids else None
+
+
 def _load_npz(path: PathLike, names: Iterable[str]) -> dict[str, np.ndarray]:
     """The named arrays that the archive holds (members load lazily, so only those)."""
     try:
@@ -110,7 +141,7 @@ def _read_npz(path: PathLike) -> LogprobRun:
     try:
         return LogprobRun(**arrays)
     except ValueError as err:
-        raise DumpFormatError(path, f"{_NPZ_FORMAT} with consistent shapes ({err})") from err
+        raise DumpFormatError(path, f"{_NPZ_FORMAT} with consistent shapes and valid values ({err})") from err
 
 
 def _read_article_json(path: PathLike) -> LogprobRun:

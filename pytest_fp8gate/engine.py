@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from . import capabilities
+from . import capabilities, lifecycle
 from .config import ModelSpec
 from .statistics import LogprobRun
 
@@ -87,7 +87,9 @@ class Engine:
         log.warning("fp8gate: starting engine for %s (%s)", spec.name, _describe(kwargs))
         self.spec = spec
         self.kwargs = kwargs  # as they reached vLLM, for the provenance record
+        before = lifecycle.child_pids()
         self.llm = LLM(**kwargs)
+        self._processes = lifecycle.track(spec.name, lifecycle.child_pids() - before)
         self.start_s = time.perf_counter() - started
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
@@ -256,6 +258,7 @@ class Engine:
         from vllm.distributed import cleanup_dist_env_and_memory
 
         self.llm.llm_engine.engine_core.shutdown()
+        lifecycle.release(self._processes)  # whatever of the engine outlived its own shutdown
         del self.llm
         gc.collect()
         cleanup_dist_env_and_memory()

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from . import lifecycle
 from .config import GateConfig
 from .gate import Case, Gate, GateError, Verdict
-from .measure import Measurements, Needs
+from .measure import MeasurementError, Measurements, Needs
 from .options import CONFIG_KEY, SETTINGS_KEY
 
 NEEDS_KEY = pytest.StashKey[dict[str, Needs]]()
@@ -39,6 +40,7 @@ class GateSession:
             cache = BaselineCache(settings.baseline_cache, settings.update_baseline, announce)
         self.config = config
         self.artifacts = artifacts
+        lifecycle.watch(artifacts)
         self.measurements = Measurements(gate_config, artifacts, config.stash.get(NEEDS_KEY, {}), announce, cache)
         self.gate = Gate(gate_config, self.measurements)
         config.stash[SESSION_KEY] = self
@@ -50,8 +52,12 @@ class GateSession:
         """Evaluate a rule case; record it; fail the test with its explanation."""
         try:
             verdict = self.evaluate(case)
-        except GateError as err:
-            pytest.fail(str(err), pytrace=False)
+        except (GateError, MeasurementError) as err:
+            reason = str(err)
+        else:
+            reason = None
+        if reason is not None:  # failed outside the except block, so no "During handling" chain is shown
+            pytest.fail(reason, pytrace=False)
         item.stash[VERDICT_KEY] = verdict
         self.config.stash.setdefault(VERDICTS_KEY, []).append(verdict)
         if not verdict.passed:

@@ -12,9 +12,18 @@ from typing import Any, Callable
 
 from . import gpus, hardware, roofline, rules
 from .config import GateConfig, SpeedSpec, TaskSpec
-from .measure import PASS_DESCRIPTIONS, Measurements, ModelResult
+from .dumps import DumpFormatError
+from .measure import PASS_DESCRIPTIONS, Measurements, ModelResult, PassResult
 from .rules import RuleOutcome
-from .statistics import TOPK_KL, AnswerComparison, LogprobComparison, compare_answers, compare_logprobs
+from .statistics import (
+    TOPK_KL,
+    AnswerComparison,
+    AnswerRecord,
+    ComparisonError,
+    LogprobComparison,
+    compare_answers,
+    compare_logprobs,
+)
 
 FLIP_EXAMPLES = 3
 
@@ -95,10 +104,17 @@ class Gate:
     # ---- check one: probabilities on the same text ---------------------------
 
     def logprob_comparison(self, candidate: str) -> LogprobComparison:
-        base = self.measurements.baseline().main.logprobs
-        cand = self.measurements.candidate(candidate).main.logprobs
+        base_result, cand_result = self.measurements.baseline(), self.measurements.candidate(candidate)
+        if base_result.vocab_size != cand_result.vocab_size:
+            raise GateError(f"candidate {candidate}: vocabulary of {cand_result.vocab_size} tokens differs from "
+                            f"baseline {self.config.baseline.name}'s {base_result.vocab_size}; "
+                            "the probability rules compare the two token by token")
+        base, cand = base_result.main.logprobs, cand_result.main.logprobs
         assert base is not None and cand is not None
-        return compare_logprobs(base, cand)
+        try:
+            return compare_logprobs(base, cand)
+        except ComparisonError as err:
+            raise GateError(f"candidate {candidate} vs baseline {self.config.baseline.name}: {err}") from None
 
     def logprob_floor(self) -> dict[str, LogprobComparison]:
         base = self.measurements.baseline().main.logprobs
@@ -149,11 +165,28 @@ class Gate:
     def _task(self, name: str | None) -> TaskSpec:
         return next(t for t in self.config.tasks if t.name == name)
 
+    def _answers(self, run: PassResult, task: TaskSpec) -> list[AnswerRecord]:
+        try:
+            return run.answers(task)
+        except DumpFormatError as err:  # the samples exist; the configured filter or metric does not fit them
+            index = self.config.tasks.index(task)
+            raise GateError(f"{self.config.path}: tasks[{index}] (filter {task.filter!r}, metric {task.metric!r}): "
+                            f"lm-eval's samples do not have it: {err.expected} (in {err.path})") from None
+
     def answer_comparison(self, case: Case) -> tuple[AnswerComparison, dict[str, AnswerComparison]]:
         task = self._task(case.task)
-        base = self.measurements.baseline().main.answers(task)
-        cand = self.measurements.candidate(case.candidate).main.answers(task)
-        floors = {label: compare_answers(base, run.answers(task))
+        base = self._answers(self.measurements.baseline().main, task)
+        accuracy = sum(answer.correct for answer in base) / len(base)
+        floor = task.limits.min_baseline_accuracy
+        if accuracy <= floor:
+            raise GateError(
+                f"baseline {self.config.baseline.name} scores {accuracy:.4f} on {task.name} ({len(base)} questions, "
+                f"filter {task.filter!r}, metric {task.metric!r}), at or below {floor:g} "
+                f"(tasks.limits.min_baseline_accuracy): the task cannot tell a broken build from a good one; "
+                "check the task, filter, metric and few-shot setup"
+            )
+        cand = self._answers(self.measurements.candidate(case.candidate).main, task)
+        floors = {label: compare_answers(base, self._answers(run, task))
                   for label, run in self.measurements.noise().items() if task.name in run.samples}
         return compare_answers(base, cand), floors
 

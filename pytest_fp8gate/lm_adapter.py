@@ -16,6 +16,14 @@ from .engine import Engine
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default when a task sets none
 
 
+def generation_budget(task_kwargs: dict[str, Any], configured: int | None) -> int:
+    """Tokens to generate: the thresholds file's max_gen_toks, else the task's, else lm-eval's default.
+
+    The configured value wins so that a setting in thresholds.toml is never silently ignored.
+    """
+    return int(configured or task_kwargs.get("max_gen_toks") or DEFAULT_MAX_GEN_TOKS)
+
+
 class EngineLM(LM):
     """Greedy generation and log-likelihoods through one ``Engine``.
 
@@ -68,7 +76,7 @@ class EngineLM(LM):
             if isinstance(until, str):
                 until = [until]
             prompts.append(self.engine.encode(context, self.add_bos_token))
-            max_tokens.append(int(kwargs.get("max_gen_toks") or self.max_gen_toks or DEFAULT_MAX_GEN_TOKS))
+            max_tokens.append(generation_budget(kwargs, self.max_gen_toks))
             stops.append(list(until))
         generations = self.engine.generate_greedy(
             prompts, max_tokens, stops, batch_size=self.batch_size, reverse=self.reverse

@@ -13,7 +13,8 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Iterator
+import traceback
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,13 +22,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import capabilities as capabilities_mod
 from . import corpus as corpus_mod
-from . import hardware, provenance
+from . import hardware, preflight, provenance
 from .capabilities import EngineCapabilities
 from .atomic import atomic_write_text
 from .config import GateConfig, ModelSpec, TaskSpec
-from .dumps import read_lm_eval_samples, write_lm_eval_samples, write_logprob_dump
+from .dumps import RUN_ID, SAMPLES_RUN_ID, read_lm_eval_samples, write_lm_eval_samples, write_logprob_dump
 from .engine import FULL_VOCAB_LIMIT, Engine, IdScoringUnavailable, Latency
-from .statistics import AnswerRecord, LogprobRun
+from .statistics import AnswerRecord, ComparisonError, LogprobRun
 
 if TYPE_CHECKING:
     from .baseline_cache import BaselineCache
@@ -48,7 +49,7 @@ PASS_DESCRIPTIONS = {
 
 
 class MeasurementError(Exception):
-    """A model's measurement failed before; its engine is not started again."""
+    """A model's measurement failed (now or earlier in the session); str() is one line naming the model."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class Measurements:
         self.baseline_record: BaselineRecord | None = None
         self.engine_runs: list[dict[str, Any]] = []  # start time, duration and settings of each engine
         self._fingerprints: dict[str, dict[str, Any]] = {}
+        self.run_id = uuid.uuid4().hex  # written into every artifact of this session
         self._baseline: ModelResult | None = None
         self._noise: dict[str, PassResult] = {}
         self._candidates: dict[str, ModelResult] = {}
@@ -162,13 +164,23 @@ class Measurements:
     def _once(self, name: str, measure: Callable[[], None]) -> None:
         """Measure a model at most once: a failure is re-raised to every later rule, never retried."""
         if name in self._failures:
-            raise MeasurementError(f"measuring {name} failed earlier in this session: "
-                                   f"{type(self._failures[name]).__name__}: {self._failures[name]}")
+            raise MeasurementError(f"{self._failures[name]} (earlier in this session; not retried)")
         try:
             measure()
+        except (ComparisonError, corpus_mod.CorpusError, MeasurementError) as err:
+            # The corpus or the engine's output failed a sanity check: the message says it all.
+            self._failures[name] = MeasurementError(f"measuring {name}: {err}")
+            raise self._failures[name] from None
         except Exception as err:
-            self._failures[name] = err
-            raise
+            # Caught at the edge (vLLM, lm-eval, the hub): one line in the report, often minutes
+            # into an engine run; the traceback goes to a file for whoever debugs it.
+            saved = self.artifacts / name / "error.txt"
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(saved, "".join(traceback.format_exception(err)))
+            first = next((line for line in str(err).splitlines() if line.strip()), "")
+            self._failures[name] = MeasurementError(
+                f"measuring {name} failed: {type(err).__name__}: {first} (traceback: {saved})")
+            raise self._failures[name] from None
 
     # ---- engines -----------------------------------------------------------
 
@@ -258,6 +270,9 @@ class Measurements:
 
     def _measure_baseline_engines(self) -> BaselineRecord:
         spec, needs = self.config.baseline, self._all_needs()
+        problem = preflight.hub_problem(self.config, self.needs)
+        if problem:
+            raise MeasurementError(problem)
         with self._running(spec, spec.name) as engine:
             if needs.probabilities:
                 assert self.config.probabilities is not None
@@ -312,7 +327,7 @@ class Measurements:
             run = self._with_base_ids(engine, run)
             result.logprobs_path = directory / "logprobs.npz"
             write_logprob_dump(result.logprobs_path, run, {"model": spec.model, "name": spec.name, "pass": label,
-                                                           "quantization": spec.quantization,
+                                                           "quantization": spec.quantization, RUN_ID: self.run_id,
                                                            "provenance": self._pass_provenance(spec, engine)})
             result.logprobs = run
             timings.append(f"logprobs {time.perf_counter() - started:.1f} s")
@@ -364,7 +379,8 @@ class Measurements:
             task_manager=self._tasks(),
             bootstrap_iters=0,
         )
-        rows = [dict(row, task=sub) for sub, sub_rows in results["samples"].items() for row in sub_rows]
+        rows = [dict(row, task=sub, **{SAMPLES_RUN_ID: self.run_id})
+                for sub, sub_rows in results["samples"].items() for row in sub_rows]
         if len(results["samples"]) > 1:
             # A task group: keep doc ids distinct across its subtasks.
             rows = [dict(row, doc_id=f"{row['task']}/{row['doc_id']}") for row in rows]
@@ -391,6 +407,7 @@ class Measurements:
 
     def _write_engine_facts(self, name: str, result: ModelResult, engine: Engine) -> None:
         facts = {
+            RUN_ID: self.run_id,
             "engine": engine.capabilities.as_dict(),
             "model": result.spec.model,
             "quantization": result.spec.quantization,

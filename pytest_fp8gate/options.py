@@ -16,6 +16,12 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
 
+# How the thresholds file was chosen; only one found in rootdir is implicit.
+SOURCE_OPTION = "--fp8gate-config"
+SOURCE_INI = "the fp8gate_config ini key"
+SOURCE_ROOTDIR = f"{DEFAULT_CONFIG_NAME} found in rootdir"
+
+
 @dataclass(frozen=True)
 class Settings:
     config_path: Path | None  # absolute; None when none was given and rootdir has none
@@ -24,6 +30,12 @@ class Settings:
     baseline_cache: Path | None = None  # absolute; None: the baseline is measured every session
     update_baseline: bool = False  # re-measure the baseline and replace its cache entry
     report: Path | None = None  # markdown report (plots next to it); None: only $GITHUB_STEP_SUMMARY
+    allow_no_rules: bool = False  # a run may select none of the file's rules
+    config_source: str | None = None  # SOURCE_*; None without a file
+
+    @property
+    def config_explicit(self) -> bool:
+        return self.config_source in (SOURCE_OPTION, SOURCE_INI)
 
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
@@ -59,18 +71,22 @@ def add_options(parser: pytest.Parser) -> None:
         help="Write a markdown report of the verdicts to PATH, its plots next to it "
         "(also appended to $GITHUB_STEP_SUMMARY when set)",
     )
+    group.addoption(
+        "--fp8gate-allow-no-rules",
+        action="store_true",
+        help="Let a run with a thresholds file select none of its rules (by default that is an error)",
+    )
     parser.addini("fp8gate_config", "Thresholds TOML of the gate, relative to the ini file")
     parser.addini("fp8gate_require_gpu", "Error out instead of skipping gpu tests without a CUDA device", type="bool")
     parser.addini("fp8gate_artifacts", "Directory for the gate's run artifacts, relative to the ini file")
     parser.addini("fp8gate_baseline_cache", "Baseline cache directory, relative to the ini file")
     parser.addini("fp8gate_report", "Markdown report path, relative to the ini file")
+    parser.addini("fp8gate_allow_no_rules", "Let a run select none of the thresholds file's rules", type="bool")
 
 
 def read_settings(config: pytest.Config) -> Settings:
     """Settings from the command line, else the environment or ini file, else defaults."""
     config_path = _path_option(config, "fp8gate_config")
-    if config_path is None and (config.rootpath / DEFAULT_CONFIG_NAME).is_file():
-        config_path = config.rootpath / DEFAULT_CONFIG_NAME
     baseline_cache = _path_option(config, "fp8gate_baseline_cache")
     update_baseline = bool(config.getoption("fp8gate_update_baseline"))
     if update_baseline and baseline_cache is None:
@@ -81,15 +97,23 @@ def read_settings(config: pytest.Config) -> Settings:
     report = _path_option(config, "fp8gate_report")
     if report is not None and report.is_dir():
         raise pytest.UsageError(f"--fp8gate-report {display_path(report)}: is a directory, expected a file path")
+    source = None
+    if config_path is not None:
+        source = SOURCE_OPTION if config.getoption("fp8gate_config") else SOURCE_INI
+    elif (config.rootpath / DEFAULT_CONFIG_NAME).is_file():
+        config_path, source = config.rootpath / DEFAULT_CONFIG_NAME, SOURCE_ROOTDIR
     return Settings(
         config_path=config_path,
         require_gpu=bool(config.getoption("fp8gate_require_gpu"))
         or _env_flag(REQUIRE_GPU_ENV)
         or bool(config.getini("fp8gate_require_gpu")),
-        artifacts=_path_option(config, "fp8gate_artifacts"),
+        artifacts=_writable_dir(_path_option(config, "fp8gate_artifacts")),
         baseline_cache=baseline_cache,
         update_baseline=update_baseline,
         report=report,
+        allow_no_rules=bool(config.getoption("fp8gate_allow_no_rules"))
+        or bool(config.getini("fp8gate_allow_no_rules")),
+        config_source=source,
     )
 
 
@@ -111,6 +135,18 @@ def _path_option(config: pytest.Config, name: str) -> Path | None:
         base = config.inipath.parent if config.inipath else config.rootpath
         return (base / Path(in_ini).expanduser()).resolve()
     return None
+
+
+def _writable_dir(path: Path | None) -> Path | None:
+    """The artifacts directory, refused now if the gate could not write there after its engines ran."""
+    if path is None:
+        return None
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise pytest.UsageError(f"--fp8gate-artifacts: {display_path(existing)} is a file, expected a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise pytest.UsageError(f"--fp8gate-artifacts: {display_path(existing)}: not writable")
+    return path
 
 
 def _env_flag(name: str) -> bool:

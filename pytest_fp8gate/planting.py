@@ -10,7 +10,9 @@ purpose (see ``PLANT_KINDS``).
 Plants are written on demand and atomically: the checkpoint is built in a
 temporary sibling directory, a marker naming the recipe and a hash of the
 source weights is written last, and the directory is renamed into place. An
-existing directory is reused only when its marker matches.
+existing directory is reused only when its marker matches, replaced only when
+it holds a marker (a plant written earlier) or nothing: never any other
+checkpoint, such as the source itself.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from .atomic import atomic_write_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -85,8 +89,8 @@ def plant(kind: str, source_dir: Path, out_dir: Path) -> Path:
     """Write (or reuse) the planted regression ``kind`` of the checkpoint in ``source_dir``.
 
     Returns ``out_dir``. Raises ValueError for an unknown kind, a source without
-    safetensors weights, or an ``out_dir`` holding files that are not part of a
-    checkpoint (so a mistyped path never deletes unrelated data).
+    safetensors weights, or an ``out_dir`` that is neither empty nor an earlier
+    plant (so a mistyped path never replaces a real checkpoint or unrelated data).
     """
     if kind not in _RECIPES:
         raise ValueError(f"unknown plant kind {kind!r}; valid kinds: {', '.join(_RECIPES)}")
@@ -101,7 +105,7 @@ def plant(kind: str, source_dir: Path, out_dir: Path) -> Path:
     }
     if _read_marker(out_dir) == marker:
         return out_dir
-    _check_replaceable(out_dir, source_dir)
+    _check_replaceable(out_dir)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     temp = _sibling(out_dir, "tmp")
@@ -138,23 +142,21 @@ def _read_marker(out_dir: Path) -> dict | None:
         return None
 
 
-def _check_replaceable(out_dir: Path, source_dir: Path) -> None:
+def _check_replaceable(out_dir: Path) -> None:
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
         raise ValueError(f"{out_dir}: exists and is not a directory")
-    known = {p.name for p in source_dir.iterdir()} | {MARKER}
-    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in known)
-    if foreign:
+    if _read_marker(out_dir) is None and any(out_dir.iterdir()):
         raise ValueError(
-            f"{out_dir}: not a planted checkpoint (holds {', '.join(foreign[:3])}); "
-            "refusing to replace it"
+            f"{out_dir}: not a planted checkpoint (no {MARKER} from an earlier fp8gate plant); "
+            "refusing to replace it, give a new directory"
         )
 
 
 def _write_checkpoint(recipe: _Recipe, source_dir: Path, out_dir: Path) -> None:
     from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     for path in sorted(source_dir.iterdir()):
         if not path.is_file() or path.name == MARKER:
@@ -169,7 +171,8 @@ def _write_checkpoint(recipe: _Recipe, source_dir: Path, out_dir: Path) -> None:
                 else handle.get_tensor(name)
                 for name in handle.keys()
             }
-        save_file(tensors, out_dir / path.name, metadata=metadata)
+        # safetensors' save_file creates 0600 files; these get the permissions the umask gives.
+        atomic_write_bytes(out_dir / path.name, save(tensors, metadata=metadata))
 
 
 def _planted(recipe: _Recipe, weight: torch.Tensor) -> torch.Tensor:

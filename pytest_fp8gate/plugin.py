@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from . import fixtures, hardware, options, report
+from . import fixtures, gating, hardware, lifecycle, options, report
 from .cases import needs_of
 from .collect import ThresholdsFile
 from .config import ConfigError, load_config
@@ -28,12 +28,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(report.JsonReportMetadata(), "fp8gate-json-report")
     config.pluginmanager.register(report.SessionReport(), "fp8gate-report")
     # `pytest --help` must keep working while the thresholds file is broken.
-    if settings.config_path is None or config.getoption("help", False):
+    if config.getoption("help", False):
         return
-    try:
-        config.stash[CONFIG_KEY] = load_config(options.display_path(settings.config_path))
-    except ConfigError as err:
-        raise pytest.UsageError(str(err)) from None
+    if settings.config_path is not None:
+        try:
+            config.stash[CONFIG_KEY] = load_config(options.display_path(settings.config_path))
+        except ConfigError as err:
+            raise pytest.UsageError(str(err)) from None
+    gating.check_toml_args(config, settings.config_path)
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
@@ -50,6 +52,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
              if isinstance(item, pytest.Function) and isinstance(item.parent, ThresholdsFile)
              and not item.get_closest_marker("skip")]
     config.stash[NEEDS_KEY] = needs_of(cases)
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    if items:
+        gating.count_deselected(items[0].config, items)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gate = session.config.stash.get(CONFIG_KEY, None)
+    if gate is not None:
+        gating.check_selection(session, session.config.stash[SETTINGS_KEY], gate)
+
+
+def pytest_runtest_call(item: pytest.Item) -> None:
+    gating.record_call(item)
 
 
 def _skip_gpu_items_without_gpu(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -84,6 +101,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     else:
         candidates = ", ".join(spec.name for spec in gate.candidates)
         lines = [f"fp8gate: {options.display_path(gate.path)}: {gate.baseline.name} vs {candidates}"]
+    stale = lifecycle.stale_warning(settings.artifacts) if settings.artifacts else None
+    if stale:
+        lines.append(stale)
     # Probing may import torch (seconds), so only when the gate is in use.
     if gate is not None or settings.require_gpu:
         probe = hardware.probe_cuda()
@@ -92,7 +112,16 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    gate = session.config.stash.get(CONFIG_KEY, None)
+    if gate is not None:
+        gating.check_gpu_ran(session, session.config.stash[SETTINGS_KEY], gate)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    complaint = gating.complaint(config)
+    if complaint:
+        terminalreporter.write_line(f"fp8gate: {complaint}", red=True, bold=True)
     verdicts = config.stash.get(VERDICTS_KEY, [])
     if verdicts:
         terminalreporter.write_sep("=", "fp8gate summary")

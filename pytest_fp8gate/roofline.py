@@ -161,11 +161,14 @@ def estimate_from_path(
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise RooflineError(f"{path}: not found (expected a model directory or its config.json)") from None
     except (OSError, ValueError) as err:
         raise RooflineError(f"{path}: cannot read JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise RooflineError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def _text_config(cfg: dict) -> dict:
@@ -199,11 +202,14 @@ def _stored_bytes(tensor: _Tensor, scheme: str | None) -> int:
 
 def _require(cfg: dict, key: str, config_path: Path) -> int:
     try:
-        return int(cfg[key])
+        value = int(cfg[key])
     except (KeyError, TypeError, ValueError):
         raise RooflineError(
             f"{config_path}: needs an integer {key!r} (only Llama-style decoder configs are supported)"
         ) from None
+    if value <= 0:
+        raise RooflineError(f"{config_path}: {key} must be a positive integer, got {cfg[key]!r}")
+    return value
 
 
 def _model_itemsize(cfg: dict, config_path: Path) -> int:
@@ -217,8 +223,9 @@ def _model_itemsize(cfg: dict, config_path: Path) -> int:
 def _attention_shape(cfg: dict, config_path: Path) -> tuple[int, int, int]:
     """(attention heads, KV heads, head dim)."""
     heads = _require(cfg, "num_attention_heads", config_path)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or _require(cfg, "hidden_size", config_path) // heads)
+    kv_heads = _require(cfg, "num_key_value_heads", config_path) if cfg.get("num_key_value_heads") else heads
+    head_dim = _require(cfg, "head_dim", config_path) if cfg.get("head_dim") else (
+        _require(cfg, "hidden_size", config_path) // heads)
     return heads, kv_heads, head_dim
 
 
@@ -305,10 +312,14 @@ def _read_header(path: Path) -> dict[str, dict]:
             if length > _MAX_HEADER:
                 raise RooflineError(f"{path}: header length {length} is not plausible for safetensors")
             header = json.loads(f.read(length))
+    except RooflineError:
+        raise  # a ValueError too, but already names the file
     except OSError as err:
         raise RooflineError(f"{path}: cannot read: {err}") from None
     except ValueError as err:
         raise RooflineError(f"{path}: header is not valid JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise RooflineError(f"{path}: header is not a JSON object")
     header.pop("__metadata__", None)
     return header
 
@@ -347,8 +358,8 @@ def _tensors_from_safetensors(shards: list[Path]) -> list[_Tensor]:
 
 
 def _bandwidth(gpu: str | None, bandwidth_gbps: float | None) -> tuple[str | None, float | None]:
-    if bandwidth_gbps is not None and bandwidth_gbps < 0:
-        raise RooflineError(f"bandwidth_gbps must be >= 0, got {bandwidth_gbps}")
+    if bandwidth_gbps is not None and not (math.isfinite(bandwidth_gbps) and bandwidth_gbps >= 0):
+        raise RooflineError(f"bandwidth_gbps must be >= 0 and finite, got {bandwidth_gbps}")
     entry = gpus.find_gpu(gpu) if gpu else None
     if bandwidth_gbps:  # an explicit figure wins over the table
         return (entry.name if entry else gpu), float(bandwidth_gbps)

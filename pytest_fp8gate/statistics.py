@@ -127,12 +127,54 @@ class LogprobRun:
             raise ComparisonError("top_ids needs at least one column (the top-1 token)")
         if np.isnan(fields["real_logprob"]).any():
             raise ComparisonError("real_logprob contains NaN; every position needs a value")
+        _check_values(fields)
         for name, array in fields.items():
             object.__setattr__(self, name, array)
 
     @property
     def positions(self) -> int:
         return int(self.real_logprob.shape[0])
+
+
+_MAX_EXP = math.log(np.finfo(np.float64).max)  # math.exp raises OverflowError above it
+
+# A log-prob above this is no rounding of log(1) = 0 (float32 engines land within 1e-6 of it).
+_LOGPROB_SLACK = 1e-4
+# A full distribution whose probabilities sum further from 1 than this is not one.
+_MASS_TOLERANCE = 1e-3
+
+
+def _check_values(fields: dict[str, np.ndarray]) -> None:
+    """Refuse arrays that cannot be what they claim: log-probs above 0, negative token ids, unnormalised rows."""
+    for name in ("real_logprob", "top_logprobs", "logprobs_on_base_ids", "full_logprobs"):
+        array = fields.get(name)
+        if array is None:
+            continue
+        above = np.flatnonzero(np.nan_to_num(array, nan=-np.inf) > _LOGPROB_SLACK)
+        if above.size:
+            position = np.unravel_index(above[0], array.shape)[0]
+            raise ComparisonError(
+                f"{name} holds {array.flat[above[0]]:.6g} at position {position}; a log-probability is at most 0"
+            )
+    for name in ("top_ids", "token_ids"):
+        array = fields.get(name)
+        if array is not None and array.size and array.min() < 0:
+            raise ComparisonError(f"{name} holds the negative token id {array.min()}")
+    full = fields.get("full_logprobs")
+    if full is not None and full.size:
+        _check_normalised(full)
+
+
+def _check_normalised(full: np.ndarray) -> None:
+    block = max(1, _FULL_BLOCK_ELEMENTS // full.shape[1])
+    for start in range(0, full.shape[0], block):
+        mass = np.exp(full[start:start + block].astype(np.float64)).sum(axis=1)
+        bad = np.flatnonzero(~(np.abs(mass - 1.0) <= _MASS_TOLERANCE))  # NaN counts as bad
+        if bad.size:
+            raise ComparisonError(
+                f"full_logprobs at position {start + bad[0]} sums to probability {mass[bad[0]]:.6g}, "
+                "not 1; not a distribution over the vocabulary"
+            )
 
 
 @dataclass(frozen=True)
@@ -226,7 +268,7 @@ def compare_logprobs(base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
         rms_dp=rms_dp,
         rms_dp_se=mean_square_dp_se / (2 * rms_dp) if rms_dp > 0 else 0.0,
         dp_percentiles=_percentiles(dp),
-        ppl_ratio=math.exp(ln_ppl_ratio),
+        ppl_ratio=math.exp(ln_ppl_ratio) if ln_ppl_ratio < _MAX_EXP else math.inf,
         ln_ppl_ratio=ln_ppl_ratio,
         ln_ppl_ratio_se=ln_ppl_ratio_se,
         kl_kind=kl_kind,

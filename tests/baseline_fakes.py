@@ -50,6 +50,7 @@ corpus = "corpus.txt"
 chunks = 2
 chunk_tokens = 201
 full_vocab = true
+top_k = 3
 [probabilities.limits]
 max_mean_kl = 0.01
 min_same_top = 0.9

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 from typing import Callable
 
@@ -25,3 +27,17 @@ def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
         monkeypatch.setattr(hardware, "probe_cuda", lambda: probe)
 
     return fake
+
+
+def _write_checkpoint(directory: Path, vocab_size: int = 32) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": vocab_size}))
+    header = json.dumps({"lm_head.weight": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]}}).encode()
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    return directory
+
+
+@pytest.fixture
+def make_checkpoint() -> Callable[..., Path]:
+    """Writes a minimal checkpoint the config checks accept: config.json and one 2x2 BF16 safetensors tensor."""
+    return _write_checkpoint

@@ -60,7 +60,7 @@ def article_dumps(tmp_path: Path) -> tuple[Path, Path]:
     rng = np.random.default_rng(42)
     n = 3000
     real_base = np.log(rng.uniform(1e-4, 1.0, n))
-    real_cand = real_base + rng.normal(scale=0.05, size=n)
+    real_cand = np.minimum(real_base + rng.normal(scale=0.05, size=n), 0.0)
     top_base = rng.integers(0, 128256, n)
     top_cand = np.where(rng.random(n) < 0.02, rng.integers(0, 128256, n), top_base)
     paths = tmp_path / "bf16.json", tmp_path / "fp8.json"

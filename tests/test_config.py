@@ -139,10 +139,12 @@ enforce_eager = true
     assert len({gate.baseline, candidate}) == 2  # specs are hashable despite the engine dict
 
 
-def test_local_paths_resolve_against_the_toml_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_local_paths_resolve_against_the_toml_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        make_checkpoint):
     config_dir = tmp_path / "gate"
-    for folder in ("models/tiny", "models/fp8", "tasks"):
-        (config_dir / folder).mkdir(parents=True)
+    for folder in ("models/tiny", "models/fp8"):
+        make_checkpoint(config_dir / folder)
+    (config_dir / "tasks").mkdir()
     (config_dir / "corpus.txt").write_text("some text")
     (config_dir / "thresholds.toml").write_text(
         """

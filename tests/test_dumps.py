@@ -20,13 +20,14 @@ from pytest_fp8gate.statistics import LogprobRun
 
 def full_run(n: int = 6, k: int = 3, vocab: int = 10) -> LogprobRun:
     rng = np.random.default_rng(0)
-    full = rng.normal(size=(n, vocab)).astype(np.float32)
+    logits = rng.normal(size=(n, vocab))
+    full = (logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))).astype(np.float32)
     return LogprobRun(
-        real_logprob=rng.normal(size=n),
+        real_logprob=-np.abs(rng.normal(size=n)),
         top_ids=rng.integers(0, vocab, (n, k)),
-        top_logprobs=rng.normal(size=(n, k)),
+        top_logprobs=-np.abs(rng.normal(size=(n, k))),
         full_logprobs=full,
-        logprobs_on_base_ids=np.where(rng.random((n, k)) < 0.3, np.nan, rng.normal(size=(n, k))),
+        logprobs_on_base_ids=np.where(rng.random((n, k)) < 0.3, np.nan, -np.abs(rng.normal(size=(n, k)))),
         token_ids=rng.integers(0, vocab, n),
     )
 

@@ -7,7 +7,9 @@ each plant), started once for the module.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -90,15 +92,39 @@ def test_complete_plant_is_reused(plants) -> None:
     assert marker["kind"] == "mild" and len(marker["source_sha256"]) == 64
 
 
-def test_directory_without_marker_is_rebuilt(tmp_path: Path) -> None:
+def test_a_checkpoint_without_marker_is_never_replaced(tmp_path: Path, capsys) -> None:
+    # Matching file names do not make a directory a plant: it may be someone's checkpoint.
     out = tmp_path / "noscale"
     out.mkdir()
-    (out / "config.json").write_text("{}")  # what a writer killed mid-way would leave
-    (out / WEIGHTS).write_bytes(b"truncated")
+    (out / "config.json").write_text("{}")
+    (out / WEIGHTS).write_bytes(b"someone's weights")
+    assert fp8gate_main(["plant", "noscale", str(out)]) == 2
+    assert capsys.readouterr().err == (f"fp8gate: error: {out}: not a planted checkpoint (no {MARKER} from an "
+                                       "earlier fp8gate plant); refusing to replace it, give a new directory\n")
+    assert (out / WEIGHTS).read_bytes() == b"someone's weights"
+
+
+def test_the_embedded_model_is_never_replaced(capsys) -> None:
+    before = (SOURCE / WEIGHTS).stat()
+    assert fp8gate_main(["plant", "mild", str(SOURCE)]) == 2
+    assert "not a planted checkpoint" in capsys.readouterr().err
+    after = (SOURCE / WEIGHTS).stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_an_empty_directory_is_written(tmp_path: Path) -> None:
+    out = tmp_path / "empty"
+    out.mkdir()
     plant("noscale", SOURCE, out)
-    assert (out / MARKER).is_file()
-    assert (out / "config.json").read_bytes() == (SOURCE / "config.json").read_bytes()
-    assert len(safetensors_torch.load_file(out / WEIGHTS)) > 0
+    assert (out / MARKER).is_file() and len(safetensors_torch.load_file(out / WEIGHTS)) > 0
+
+
+def test_plant_files_get_the_umask_permissions(plants) -> None:
+    # The plants fixture ran under the test process's umask.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for path in plants["mild"].iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path.name
 
 
 def test_marker_for_other_source_or_kind_is_rebuilt(plants, tmp_path: Path) -> None:

@@ -1,0 +1,203 @@
+"""Engines die with the gate.
+
+vLLM runs each engine core (and its workers) in child processes. A gate stopped
+by SIGTERM (what ``timeout`` and a cancelled CI job send) or SIGINT would leave
+them running, holding gigabytes of memory and, on a GPU runner, the GPU's. So
+every engine's processes are tracked from its start to its shutdown: on
+SIGTERM, SIGINT and at interpreter exit they are stopped, and then the signal
+takes its course (SIGTERM its default action, SIGINT Python's KeyboardInterrupt).
+
+SIGKILL cannot be caught, so while an engine is up its process ids are also in
+``PID_FILE`` under the artifacts directory; a later run with the same
+directory reports the processes a killed run left behind (``stale_engines``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .atomic import atomic_write_text
+
+PID_FILE = "fp8gate-engines.json"
+GRACE_S = 5.0  # between SIGTERM and SIGKILL of an engine process
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Helpers the first engine happens to start but the whole process shares (an in-process engine's
+# torch compile pool too): the next engine would find them dead, and they exit with the process.
+_SHARED_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "torch._inductor.compile_worker")
+
+
+@dataclass(frozen=True)
+class Tracked:
+    """One engine's processes: (pid, create time) pairs, so a reused pid is never killed."""
+
+    label: str
+    processes: tuple[tuple[int, float], ...]
+
+
+_lock = threading.RLock()
+_live: list[Tracked] = []
+_pid_dir: Path | None = None
+_previous_handlers: dict[int, Any] = {}
+_installed = False
+
+
+def watch(directory: Path) -> None:
+    """Keep the pid file of this process's engines in ``directory`` (the artifacts directory)."""
+    global _pid_dir
+    with _lock:
+        _pid_dir = directory
+
+
+def child_pids() -> set[int]:
+    """This process's children, theirs included."""
+    import psutil  # a vLLM dependency; only needed once engines run
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def track(label: str, pids: set[int]) -> Tracked:
+    """Stop these processes (an engine's, started since ``child_pids()`` was read) if the gate is stopped."""
+    import psutil
+
+    processes = []
+    for pid in sorted(pids):
+        try:
+            process = psutil.Process(pid)
+            if not any(helper in " ".join(process.cmdline()) for helper in _SHARED_HELPERS):
+                processes.append((pid, process.create_time()))
+        except psutil.Error:  # already gone
+            continue
+    tracked = Tracked(label, tuple(processes))
+    with _lock:
+        _install_handlers()
+        _live.append(tracked)
+        _write_pid_file()
+    return tracked
+
+
+def release(tracked: Tracked) -> None:
+    """After an engine's own shutdown: stop whatever of it is left, forget it."""
+    _stop([tracked])
+    with _lock:
+        if tracked in _live:
+            _live.remove(tracked)
+        _write_pid_file()
+
+
+def stop_all() -> None:
+    """Stop every tracked engine's processes (at exit, or on a signal)."""
+    with _lock:
+        engines = list(_live)
+        _live.clear()
+        _write_pid_file()
+    _stop(engines)
+
+
+def stale_engines(directory: Path) -> list[tuple[int, str]]:
+    """(pid, engine) of processes a gate that no longer runs left behind, from its pid file."""
+    try:
+        import psutil  # noqa: F401  (without it no engine ran, so none was left)
+    except ImportError:
+        return []
+    try:
+        recorded = json.loads((directory / PID_FILE).read_text(encoding="utf-8"))
+        gate, engines = recorded["gate"], recorded["engines"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if _alive(gate["pid"], gate["create_time"]) is not None:
+        return []  # that gate is still running
+    return [(pid, engine["label"]) for engine in engines for pid, created in engine["processes"]
+            if _alive(pid, created) is not None]
+
+
+def stale_warning(directory: Path) -> str | None:
+    stale = stale_engines(directory)
+    if not stale:
+        return None
+    listed = ", ".join(f"{pid} ({label})" for pid, label in stale)
+    pids = " ".join(str(pid) for pid, _ in stale)
+    return (f"fp8gate: WARNING: engine processes an earlier gate run left behind are still running "
+            f"(from {directory / PID_FILE}): {listed}; stop them with: kill {pids}")
+
+
+def _alive(pid: int, created: float) -> Any:
+    """The psutil.Process, if the process recorded as (pid, create time) still runs."""
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        if abs(process.create_time() - created) < 0.01 and process.status() != psutil.STATUS_ZOMBIE:
+            return process
+    except psutil.Error:
+        pass
+    return None
+
+
+def _stop(engines: list[Tracked]) -> None:
+    import psutil
+
+    processes = [p for engine in engines for pid, created in engine.processes if (p := _alive(pid, created))]
+    for process in list(processes):
+        try:
+            processes += process.children(recursive=True)  # workers an engine core started later
+        except psutil.Error:
+            pass
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=GRACE_S)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=GRACE_S)
+
+
+def _write_pid_file() -> None:
+    if _pid_dir is None:
+        return
+    path = _pid_dir / PID_FILE
+    if not _live:
+        path.unlink(missing_ok=True)
+        return
+    import psutil
+
+    me = psutil.Process()
+    _pid_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({
+        "gate": {"pid": me.pid, "create_time": me.create_time()},
+        "engines": [{"label": engine.label, "processes": [list(p) for p in engine.processes]} for engine in _live],
+    }, indent=1))
+
+
+def _install_handlers() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    atexit.register(stop_all)
+    if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
+        for signum in _SIGNALS:
+            _previous_handlers[signum] = signal.signal(signum, _on_signal)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    stop_all()
+    previous = _previous_handlers.get(signum)
+    if callable(previous):
+        previous(signum, frame)  # e.g. Python's SIGINT handler, which raises KeyboardInterrupt
+        return
+    if previous == signal.SIG_IGN:
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

@@ -1,0 +1,34 @@
+"""Checks of the machine the rules run on, made just before the session's first engine starts.
+
+The thresholds file itself is checked at load (config.py). These run only once
+a rule needs a model, so a project's unit tests beside its thresholds file do
+not fail on them, and a missing GPU under --fp8gate-require-gpu is reported first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .config import GateConfig
+
+if TYPE_CHECKING:
+    from .measure import Needs
+
+
+def hub_problem(gate: GateConfig, needs: dict[str, Needs]) -> str | None:
+    """Offline, every Hugging Face id an engine will load must already be in the cache; else why not."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.is_offline_mode():
+        return None
+    specs = {"baseline": gate.baseline}
+    specs |= {f"candidates[{i}]": spec for i, spec in enumerate(gate.candidates) if spec.name in needs}
+    for where, spec in specs.items():
+        if Path(spec.model).is_absolute():
+            continue
+        cached = try_to_load_from_cache(spec.model, "config.json", revision=spec.engine.get("revision"))
+        if not isinstance(cached, str):
+            return (f"{gate.path}: {where}.model: {spec.model!r} is not in the Hugging Face cache and "
+                    f"HF_HUB_OFFLINE is set; download it first (hf download {spec.model}) or unset HF_HUB_OFFLINE")
+    return None

@@ -1,0 +1,67 @@
+"""The CLIs refuse impossible input with one line and exit 2, and --json is strict JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pytest_fp8gate import cli
+
+
+def _strict_loads(text: str):
+    def refuse(constant: str):
+        raise AssertionError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_output_is_strict_when_a_figure_overflows(tmp_path: Path, capsys) -> None:
+    # The candidate is so much worse that PPL(cand) / PPL(base) overflows a float.
+    base, cand = tmp_path / "base.json", tmp_path / "cand.json"
+    base.write_text(json.dumps([{"real": -0.1, "top": 1}, {"real": -0.2, "top": 2}]))
+    cand.write_text(json.dumps([{"real": -800.0, "top": 3}, {"real": -900.0, "top": 4}]))
+    assert cli.main(["compare-logprobs", str(base), str(cand), "--json"]) == 0
+    payload = _strict_loads(capsys.readouterr().out)
+    assert payload["ppl_ratio"] == "inf" and payload["ln_ppl_ratio"] == pytest.approx(849.85)
+
+
+def test_non_finite_values_become_null_or_strings() -> None:
+    nested = {"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5], "c": {"d": (float("nan"),)}}
+    assert cli._strict_json(nested) == {"a": None, "b": ["inf", "-inf", 1.5], "c": {"d": [None]}}
+
+
+LLAMA_LIKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "bfloat16"}
+
+BAD_ROOFLINE = {
+    "negative layers": ({"num_hidden_layers": -2}, [], "num_hidden_layers must be a positive integer, got -2"),
+    "zero heads": ({"num_attention_heads": 0}, [], "num_attention_heads must be a positive integer, got 0"),
+    "negative kv heads": ({"num_key_value_heads": -1}, [], "num_key_value_heads must be a positive integer, got -1"),
+    "NaN bandwidth": ({}, ["--bandwidth-gbps", "nan"], "bandwidth_gbps must be >= 0 and finite, got nan"),
+    "inf bandwidth": ({}, ["--bandwidth-gbps", "inf"], "bandwidth_gbps must be >= 0 and finite, got inf"),
+}
+
+
+@pytest.mark.parametrize("change, args, message", BAD_ROOFLINE.values(), ids=BAD_ROOFLINE.keys())
+def test_roofline_refuses_impossible_input(tmp_path: Path, capsys, change: dict, args: list[str], message: str) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA_LIKE, **change}))
+    assert cli.main(["roofline", str(config), *args]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fp8gate: error: ") and message in err
+
+
+def test_roofline_refuses_a_config_that_is_a_list(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "config.json"
+    config.write_text("[1, 2, 3]")
+    assert cli.main(["roofline", str(config)]) == cli.EXIT_ERROR
+    assert capsys.readouterr().err == f"fp8gate: error: {config}: expected a JSON object, got list\n"
+
+
+def test_roofline_of_a_valid_config_still_works(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_LIKE))
+    assert cli.main(["roofline", str(config), "--bandwidth-gbps", "100", "--json"]) == 0
+    assert _strict_loads(capsys.readouterr().out)["ceiling_tok_s"] > 0

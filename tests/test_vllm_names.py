@@ -1,0 +1,31 @@
+"""The vLLM names the thresholds file is checked against match the installed vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pytest_fp8gate.vllm_names import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+
+# In a fresh interpreter: pytester's in-process runs unload modules, and vLLM cannot be imported twice.
+READ_VLLM = """
+import json
+from typing import get_args
+from vllm.config.cache import CacheDType
+from vllm.model_executor.layers.quantization import QuantizationMethods
+print(json.dumps([get_args(QuantizationMethods), get_args(CacheDType)]))
+"""
+
+
+def test_names_are_the_installed_vllms() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    done = subprocess.run([sys.executable, "-c", READ_VLLM], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    quantization, kv_cache = json.loads(done.stdout.strip().splitlines()[-1])
+    assert QUANTIZATION_METHODS == tuple(quantization)
+    assert KV_CACHE_DTYPES == tuple(kv_cache)
