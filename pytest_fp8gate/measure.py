@@ -259,6 +259,9 @@ class Measurements:
         return total
 
     def _measure_baseline(self) -> None:
+        problem = preflight.parallelism_problem(self.config, len(hardware.cuda_device_names()), self.needs)
+        if problem:
+            raise MeasurementError(problem)
         # The seam of the baseline cache: it returns a stored record, or measures one and stores it.
         if self.baseline_cache is None:
             record = self._measure_baseline_engines()

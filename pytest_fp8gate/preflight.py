@@ -32,3 +32,28 @@ def hub_problem(gate: GateConfig, needs: dict[str, Needs]) -> str | None:
             return (f"{gate.path}: {where}.model: {spec.model!r} is not in the Hugging Face cache and "
                     f"HF_HUB_OFFLINE is set; download it first (hf download {spec.model}) or unset HF_HUB_OFFLINE")
     return None
+
+
+def parallelism_problem(gate: GateConfig, visible_gpus: int, needs: dict[str, Needs]) -> str | None:
+    """A CUDA model asks for more GPUs than this host shows; else None.
+
+    vLLM places tensor x pipeline (x data) parallel ranks on the visible devices. A Ray
+    backend may place them on other nodes of its cluster, so those specs are not
+    counted against this host.
+    """
+    if gate.device != "cuda":
+        return None
+    specs = {"baseline": gate.baseline}
+    specs |= {f"candidates[{i}]": spec for i, spec in enumerate(gate.candidates) if spec.name in needs}
+    for where, spec in specs.items():
+        if spec.engine.get("distributed_executor_backend") == "ray":
+            continue
+        sizes = {key: int(spec.engine.get(key, 1))
+                 for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")}
+        wanted = sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"] * sizes["data_parallel_size"]
+        if wanted > visible_gpus:
+            product = " x ".join(f"{key} {value}" for key, value in sizes.items() if value > 1)
+            return (f"{gate.path}: {where}.engine: {product} needs {wanted} GPUs, but {visible_gpus} "
+                    f"{'is' if visible_gpus == 1 else 'are'} visible; lower the sizes, widen CUDA_VISIBLE_DEVICES, "
+                    'or use distributed_executor_backend = "ray" with a Ray cluster')
+    return None
