@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
+from pathlib import Path
 from collections.abc import Iterator
 from typing import IO
 
-__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_text", "publish_directory"]
+__all__ = ["atomic_directory", "atomic_open", "atomic_write_bytes", "atomic_write_text"]
 
 
 def _umask() -> int:
@@ -63,10 +65,23 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "
         handle.write(text)
 
 
-def publish_directory(directory: str | os.PathLike[str]) -> None:
-    """Give a directory built under mkdtemp (0700) and the files directly in it the
-    permissions mkdir() and open() would have given, before it is renamed into place."""
-    for entry in os.scandir(directory):
-        if entry.is_file(follow_symlinks=False):
-            os.chmod(entry.path, _FILE_MODE)
-    os.chmod(directory, _DIR_MODE)
+@contextlib.contextmanager
+def atomic_directory(dest: str | os.PathLike[str]) -> Iterator[Path]:
+    """Build a new directory ``dest``: the body fills a temporary sibling, which is renamed
+    into place with the permissions mkdir() and open() would give; if the body raises,
+    nothing is left. ``dest`` must not exist."""
+    dest = Path(dest)
+    if dest.exists():
+        raise FileExistsError(f"{dest}: already exists; it is written into a new directory only")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        yield work
+        for entry in os.scandir(work):  # mkdtemp gives 0700, safetensors' writer 0600
+            if entry.is_file(follow_symlinks=False):
+                os.chmod(entry.path, _FILE_MODE)
+        os.chmod(work, _DIR_MODE)
+        work.rename(dest)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise

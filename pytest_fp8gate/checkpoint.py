@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .roofline import RooflineError, _read_header, _read_json, _safetensors_files, _text_config
+from .roofline import RooflineError, read_header, read_json, safetensors_files, text_config
 
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth")
 
@@ -25,10 +25,10 @@ def check_model_dir(model_dir: Path) -> dict[str, Any]:
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: expected a checkpoint directory, got a file")
     try:
-        config = _read_json(model_dir / "config.json")
-        shards = _safetensors_files(model_dir)
+        config = read_json(model_dir / "config.json")
+        shards = safetensors_files(model_dir)
         for shard in shards:
-            _check_length(shard, _read_header(shard))
+            _check_length(shard, read_header(shard))
     except RooflineError as err:
         raise CheckpointError(str(err)) from None
     if not shards and not any(next(model_dir.glob(pattern), None) for pattern in _OTHER_WEIGHTS):
@@ -50,5 +50,5 @@ def _check_length(shard: Path, header: dict[str, Any]) -> None:
 
 def vocab_size(config: dict[str, Any]) -> int | None:
     """``vocab_size`` of a model config (multimodal configs keep it in text_config)."""
-    value = _text_config(config).get("vocab_size") or config.get("vocab_size")
+    value = text_config(config).get("vocab_size") or config.get("vocab_size")
     return value if isinstance(value, int) and not isinstance(value, bool) else None

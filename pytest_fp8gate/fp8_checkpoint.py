@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from .atomic import publish_directory
+from .atomic import atomic_directory
+from .checkpoint import CheckpointError, check_model_dir
+from .roofline import safetensors_files
 
 E4M3_MAX = 448.0
 MARKER = ".fp8gate-quantized"  # written last: a directory without it is unfinished
@@ -124,7 +125,7 @@ def write_fp8_checkpoint(source: Path, dest: Path, scheme_name: str, *, calibrat
     config = _read_config(source)
     if dest.exists():
         raise QuantizeError(f"{dest}: already exists; the checkpoint is written into a new directory only")
-    shards = sorted(source.glob("*.safetensors"))
+    shards = safetensors_files(source)
     if not shards:
         raise QuantizeError(f"{source}: no *.safetensors files")
     input_scales: dict[str, float] = {}
@@ -133,9 +134,7 @@ def write_fp8_checkpoint(source: Path, dest: Path, scheme_name: str, *, calibrat
         if not texts:
             raise QuantizeError(f"scheme {scheme.name} needs calibration text for its static activation scales")
         input_scales = activation_scales(source, texts, device)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
+    with atomic_directory(dest) as work:
         weight_map = {}
         for shard in shards:
             tensors = {}
@@ -167,24 +166,15 @@ def write_fp8_checkpoint(source: Path, dest: Path, scheme_name: str, *, calibrat
         config["quantization_config"] = quantization_config(scheme)
         (work / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
         (work / MARKER).write_text(json.dumps({"source": str(source), "scheme": scheme.name}), encoding="utf-8")
-        publish_directory(work)
-        work.rename(dest)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
     return dest
 
 
 def _read_config(source: Path) -> dict[str, Any]:
-    path = source / "config.json"
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise QuantizeError(f"{path}: not found (expected a model directory)") from None
-    except (OSError, ValueError) as err:
-        raise QuantizeError(f"{path}: cannot read JSON: {err}") from None
-    if not isinstance(config, dict):
-        raise QuantizeError(f"{path}: expected a JSON object")
+        config = check_model_dir(source)
+    except CheckpointError as err:
+        raise QuantizeError(str(err)) from None
     if config.get("quantization_config"):
-        raise QuantizeError(f"{path}: already quantized ({config['quantization_config'].get('quant_method')})")
+        raise QuantizeError(f"{source / 'config.json'}: already quantized "
+                            f"({config['quantization_config'].get('quant_method')})")
     return config

@@ -115,9 +115,9 @@ def estimate_from_path(
         raise RooflineError(f"context_tokens must be >= 0, got {context_tokens}")
     path = Path(path).expanduser()
     config_path = path / "config.json" if path.is_dir() else path
-    cfg = _text_config(_read_json(config_path))
+    cfg = text_config(read_json(config_path))
     scheme = _online_scheme(quantization)
-    shards = _safetensors_files(path) if path.is_dir() else []
+    shards = safetensors_files(path) if path.is_dir() else []
     if shards:
         tensors, source = _tensors_from_safetensors(shards), "safetensors"
     else:
@@ -159,7 +159,7 @@ def estimate_from_path(
     )
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -171,7 +171,7 @@ def _read_json(path: Path) -> dict:
     return raw
 
 
-def _text_config(cfg: dict) -> dict:
+def text_config(cfg: dict) -> dict:
     # Multimodal wrappers nest the language model's config.
     return cfg.get("text_config") or cfg
 
@@ -291,17 +291,17 @@ def _kv_bytes_per_context_token(cfg: dict, config_path: Path, kv_cache_dtype: st
     return 2 * layers * kv_heads * head_dim * itemsize  # keys and values
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         # The index names the shards; other *.safetensors files (e.g. a
         # consolidated copy) would count the weights twice.
-        weight_map = _read_json(index).get("weight_map", {})
+        weight_map = read_json(index).get("weight_map", {})
         return [model_dir / name for name in sorted(set(weight_map.values()))]
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def _read_header(path: Path) -> dict[str, dict]:
+def read_header(path: Path) -> dict[str, dict]:
     """The JSON header of a safetensors file: 8-byte little-endian length, then JSON."""
     try:
         with path.open("rb") as f:
@@ -327,7 +327,7 @@ def _read_header(path: Path) -> dict[str, dict]:
 def _tensors_from_safetensors(shards: list[Path]) -> list[_Tensor]:
     entries: dict[str, tuple[str, tuple[int, ...]]] = {}
     for shard in shards:
-        for name, info in _read_header(shard).items():
+        for name, info in read_header(shard).items():
             dtype = info.get("dtype")
             if dtype not in _SAFETENSORS_BYTES:
                 raise RooflineError(f"{shard}: tensor {name!r} has unsupported dtype {dtype!r}")

@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from .atomic import publish_directory
+from .atomic import atomic_directory
 from .embedded import embedded_assets
 
 _LLAMA_31_8B: dict[str, Any] = {
@@ -73,16 +72,11 @@ def write_random_checkpoint(shape: str, dest: Path, *, device: str = "cpu", seed
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {', '.join(SHAPES)}")
-    dest = Path(dest).resolve()
-    if dest.exists():
-        raise FileExistsError(f"{dest}: already exists; a checkpoint is written into a new directory only")
     assets = embedded_assets().model
     tokenizer_config = json.loads((assets / "config.json").read_text(encoding="utf-8"))
     config = {**SHAPES[shape], "bos_token_id": tokenizer_config["bos_token_id"],
               "eos_token_id": tokenizer_config["eos_token_id"]}
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
+    with atomic_directory(Path(dest).resolve()) as work:
         generator = torch.Generator(device=device).manual_seed(seed)
         shapes = tensor_shapes(config)
         shards: list[dict[str, Any]] = [{}]
@@ -110,9 +104,4 @@ def write_random_checkpoint(shape: str, dest: Path, *, device: str = "cpu", seed
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy2(assets / name, work / name)
         (work / MARKER).write_text(json.dumps({"shape": shape, "seed": seed}), encoding="utf-8")
-        publish_directory(work)
-        work.rename(dest)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return dest
+    return Path(dest).resolve()

@@ -12,7 +12,7 @@ from pytest_fp8gate import fp8_checkpoint
 from pytest_fp8gate.cli import main as fp8gate_main
 from pytest_fp8gate.embedded import embedded_assets
 from pytest_fp8gate.fp8_checkpoint import QuantizeError, quantize_weight, write_fp8_checkpoint
-from pytest_fp8gate.roofline import _read_header, estimate_from_path
+from pytest_fp8gate.roofline import read_header, estimate_from_path
 from pytest_fp8gate.shapes import SHAPES, tensor_shapes, write_random_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -45,7 +45,7 @@ def test_dynamic_checkpoint_has_the_fp8_dynamic_layout(dynamic_checkpoint: Path)
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     assert group["weights"]["strategy"] == "channel" and group["input_activations"]["dynamic"] is True
     assert config["quantization_config"]["ignore"] == ["lm_head"]
-    header = _read_header(dynamic_checkpoint / "model.safetensors")
+    header = read_header(dynamic_checkpoint / "model.safetensors")
     q_proj = "model.layers.0.self_attn.q_proj"
     assert header[f"{q_proj}.weight"]["dtype"] == "F8_E4M3"
     assert header[f"{q_proj}.weight_scale"]["shape"] == [header[f"{q_proj}.weight"]["shape"][0], 1]
@@ -66,7 +66,7 @@ def test_static_checkpoint_carries_calibrated_activation_scales(tmp_path: Path):
     text = embedded_assets().corpus.read_text(encoding="utf-8")[:8000]
     path = write_fp8_checkpoint(embedded_assets().model, tmp_path / "fp8-static", "fp8-static",
                                 calibration=[text[:4000], text[4000:]])
-    header = _read_header(path / "model.safetensors")
+    header = read_header(path / "model.safetensors")
     assert header["model.layers.0.mlp.down_proj.input_scale"]["shape"] == [1]
     assert header["model.layers.0.mlp.down_proj.weight_scale"]["shape"] == [1]
     group = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
