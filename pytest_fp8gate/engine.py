@@ -84,7 +84,7 @@ class Engine:
             kwargs["dtype"] = dtype
         kwargs["max_logprobs"] = max_logprobs
         started = time.perf_counter()
-        log.warning("fp8gate: starting engine for %s (%s)", spec.name, _describe(kwargs))
+        log.info("fp8gate: starting engine for %s (%s)", spec.name, _describe(kwargs))
         self.spec = spec
         self.kwargs = kwargs  # as they reached vLLM, for the provenance record
         before = lifecycle.child_pids()
@@ -262,7 +262,7 @@ class Engine:
         del self.llm
         gc.collect()
         cleanup_dist_env_and_memory()
-        log.warning("fp8gate: stopped engine for %s", self.spec.name)
+        log.info("fp8gate: stopped engine for %s", self.spec.name)
 
 
 def _batches(order: list[int], batch_size: int | None) -> Iterable[list[int]]:
