@@ -85,7 +85,7 @@ def test_repo_thresholds_encode_the_article():
 
 LIMIT_KEYS = (
     "min_same_top max_rms_dp max_mean_kl max_ppl_ratio accuracy_se flips_ratio min_flip_allowance "
-    "min_fraction_of_ceiling"
+    "min_fraction_of_ceiling min_share_of_baseline"
 ).split()
 
 
