@@ -51,7 +51,8 @@ def parallelism_problem(gate: GateConfig, visible_gpus: int, needs: dict[str, Ne
         sizes = {key: int(spec.engine.get(key, 1))
                  for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")}
         wanted = sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"] * sizes["data_parallel_size"]
-        if wanted > visible_gpus:
+        # No GPU at all is --fp8gate-require-gpu's business (gpu rules skip or fail there).
+        if wanted > max(visible_gpus, 1):
             product = " x ".join(f"{key} {value}" for key, value in sizes.items() if value > 1)
             return (f"{gate.path}: {where}.engine: {product} needs {wanted} GPUs, but {visible_gpus} "
                     f"{'is' if visible_gpus == 1 else 'are'} visible; lower the sizes, widen CUDA_VISIBLE_DEVICES, "

@@ -47,6 +47,10 @@ def test_tensor_times_pipeline_parallel_beyond_the_visible_gpus_is_refused(confi
     assert parallelism_problem(config, 8, NEEDS) is None  # the first four of eight
 
 
+def test_one_gpu_models_are_left_to_the_gpu_requirement(config_with):
+    assert parallelism_problem(config_with("max_model_len = 4096"), 0, NEEDS) is None
+
+
 def test_data_parallel_counts_and_cpu_configs_are_not_checked(config_with):
     assert "needs 2 GPUs, but 1 is visible" in parallelism_problem(config_with("data_parallel_size = 2"), 1, NEEDS)
     assert parallelism_problem(config_with("tensor_parallel_size = 2", device="cpu"), 0, NEEDS) is None
