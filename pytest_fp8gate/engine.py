@@ -87,8 +87,12 @@ class Engine:
         log.info("fp8gate: starting engine for %s (%s)", spec.name, _describe(kwargs))
         self.spec = spec
         self.kwargs = kwargs  # as they reached vLLM, for the provenance record
-        before = lifecycle.child_pids()
-        self.llm = LLM(**kwargs)
+        before = lifecycle.starting(spec.name)
+        try:
+            self.llm = LLM(**kwargs)
+        except BaseException:
+            lifecycle.abandon(spec.name)
+            raise
         self._processes = lifecycle.track(spec.name, lifecycle.child_pids() - before)
         self.start_s = time.perf_counter() - started
         self.tokenizer = self.llm.get_tokenizer()

@@ -43,6 +43,9 @@ class Tracked:
 
 _lock = threading.RLock()
 _live: list[Tracked] = []
+# label -> this process's children before that engine's start began: a signal during the
+# start (minutes for a large model) stops whatever the start has spawned so far.
+_starting: dict[str, set[int]] = {}
 _pid_dir: Path | None = None
 _previous_handlers: dict[int, Any] = {}
 _installed = False
@@ -62,8 +65,34 @@ def child_pids() -> set[int]:
     return {child.pid for child in psutil.Process().children(recursive=True)}
 
 
+def starting(label: str) -> set[int]:
+    """An engine is about to start: from now a signal also stops what its start spawns.
+    Returns this process's children before the start, for ``track``."""
+    before = child_pids()
+    with _lock:
+        _install_handlers()
+        _starting[label] = before
+    return before
+
+
+def abandon(label: str) -> None:
+    """The engine's start failed: nothing of it is left to track."""
+    with _lock:
+        _starting.pop(label, None)
+
+
 def track(label: str, pids: set[int]) -> Tracked:
     """Stop these processes (an engine's, started since ``child_pids()`` was read) if the gate is stopped."""
+    tracked = _tracked(label, pids)
+    with _lock:
+        _install_handlers()
+        _starting.pop(label, None)
+        _live.append(tracked)
+        _write_pid_file()
+    return tracked
+
+
+def _tracked(label: str, pids: set[int]) -> Tracked:
     import psutil
 
     processes = []
@@ -74,12 +103,7 @@ def track(label: str, pids: set[int]) -> Tracked:
                 processes.append((pid, process.create_time()))
         except psutil.Error:  # already gone
             continue
-    tracked = Tracked(label, tuple(processes))
-    with _lock:
-        _install_handlers()
-        _live.append(tracked)
-        _write_pid_file()
-    return tracked
+    return Tracked(label, tuple(processes))
 
 
 def release(tracked: Tracked) -> None:
@@ -96,6 +120,10 @@ def stop_all() -> None:
     with _lock:
         engines = list(_live)
         _live.clear()
+        if _starting:
+            now = child_pids()
+            engines += [_tracked(label, now - before) for label, before in _starting.items()]
+            _starting.clear()
         _write_pid_file()
     _stop(engines)
 

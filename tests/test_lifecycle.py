@@ -28,12 +28,15 @@ from pathlib import Path
 from pytest_fp8gate import lifecycle
 
 lifecycle.watch(Path(sys.argv[1]))
-before = lifecycle.child_pids()
+before = lifecycle.starting("stand-in") if sys.argv[2] == "starting" else lifecycle.child_pids()
 worker = "import time; time.sleep(600)"
 core = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}]); time.sleep(600)"
 subprocess.Popen([sys.executable, "-c", core])
 while len(lifecycle.child_pids() - before) < 2:  # the core and its worker
     time.sleep(0.05)
+if sys.argv[2] == "starting":  # still inside vllm.LLM(...): nothing tracked yet
+    print(*sorted(lifecycle.child_pids() - before), flush=True)
+    time.sleep(600)
 tracked = lifecycle.track("stand-in", lifecycle.child_pids() - before)
 print(*(pid for pid, _ in tracked.processes), flush=True)
 if sys.argv[2] == "wait":
@@ -88,6 +91,19 @@ def test_a_signal_stops_the_engine_processes_then_takes_its_course(tmp_path: Pat
         assert gate.wait(timeout=20) == returncode
         assert _gone_within(pids, 20), f"engine processes left: {_running(pids)}"
         assert not (tmp_path / lifecycle.PID_FILE).exists()
+    finally:
+        gate.kill()
+        _kill(pids)
+
+
+def test_a_signal_while_an_engine_starts_stops_what_the_start_spawned(tmp_path: Path) -> None:
+    # A large model's engine start takes minutes; a cancelled job then must not orphan it.
+    gate, pids = _start(tmp_path, "starting")
+    try:
+        assert len(pids) == 2 and _running(pids) == pids
+        gate.send_signal(signal.SIGTERM)
+        assert gate.wait(timeout=20) == -signal.SIGTERM
+        assert _gone_within(pids, 20), f"engine processes left: {_running(pids)}"
     finally:
         gate.kill()
         _kill(pids)
