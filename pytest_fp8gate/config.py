@@ -124,7 +124,7 @@ class SpeedSpec:
     min_share_of_baseline: float = 0.6
     min_fraction_of_ceiling: float = 0.8
     overhead_bound_below: float = 0.1  # share of the ceiling under which per-step overhead sets the speed
-    min_ratio_overhead_bound: float = 0.9  # then: candidate tok/s at least this times the baseline's
+    min_ratio_overhead_bound: float = 0.5  # then: candidate tok/s at least this times the baseline's
     gpu: str = "auto"  # "auto", a bandwidth-table name, or a label when bandwidth_gbps > 0
     bandwidth_gbps: float = 0.0  # 0: from the GPU table
 

@@ -228,7 +228,7 @@ def decode_speed(
     min_share_of_baseline: float = 0.6,
     min_fraction_of_ceiling: float = 0.8,
     overhead_bound_below: float = 0.1,
-    min_ratio_overhead_bound: float = 0.9,
+    min_ratio_overhead_bound: float = 0.5,
 ) -> RuleOutcome:
     """Decode speed judged against the bandwidth ceiling, next to the baseline's on the same GPU.
 

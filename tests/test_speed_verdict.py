@@ -54,7 +54,7 @@ def test_overhead_bound_embedded_model_is_judged_without_a_ceiling(gate_for):
     verdict = gate_for(617.0, 600.0).speed(Case("speed", "fp8-per-channel"))
     assert verdict.passed
     assert any("overhead-bound" in note and "no bandwidth ceiling applies" in note for note in verdict.notes)
-    assert not gate_for(617.0, 500.0).speed(Case("speed", "fp8-per-channel")).passed
+    assert not gate_for(617.0, 300.0).speed(Case("speed", "fp8-per-channel")).passed  # planted: half the speed
 
 
 def test_bandwidth_bound_candidate_is_judged_against_the_baselines_share(gate_for):
