@@ -144,12 +144,14 @@ def flip_margin_se(flips: int, floor_flips: int, questions: int, ratio: float) -
     """(ratio x floor rate - candidate rate) in standard errors of that difference.
 
     Each rate's SE is the article's sqrt(p(1-p)/n); the two are combined as if
-    independent. Infinite when both counts are 0 (no spread to measure against).
+    independent. Infinite when neither rate has any spread (e.g. both counts 0).
     """
     rate_c, rate_f = flips / questions, floor_flips / questions
     se = math.sqrt(rate_c * (1 - rate_c) / questions + ratio**2 * rate_f * (1 - rate_f) / questions)
     gap = ratio * rate_f - rate_c
-    return gap / se if se > 0 else math.copysign(math.inf, gap) if gap else math.inf
+    if se == 0:  # both rates at 0 or 1: no spread, only the sign of the gap is known
+        return -math.inf if gap < 0 else math.inf
+    return gap / se
 
 
 def flips_within_noise_floor(
