@@ -55,10 +55,12 @@ def _normalize(answer: str) -> str:
     return answer.replace(",", "").replace("$", "").strip().removesuffix(".")
 
 
-def strict_answers(engine: Engine, prompts: list[str]) -> list[str | None]:
+def strict_answers(engine: Engine, prompts: list[str], batch_size: int | None = None,
+                   reverse: bool = False) -> list[str | None]:
     stops = ["Question:", "</s>"]
     generations = engine.generate_greedy([engine.encode(p, add_bos=True) for p in prompts],
-                                         [128] * len(prompts), [stops] * len(prompts))
+                                         [128] * len(prompts), [stops] * len(prompts),
+                                         batch_size=batch_size, reverse=reverse)
     answers = []
     for generation in generations:
         match = STRICT.search(generation.text)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Literal
 
 from . import checkpoint, gpus
-from .rules import SHARE_OF_BASELINE, SPEED_RULES
+from .rules import FLIP_RULES, SHARE_OF_BASELINE, SPEED_RULES
 from .vllm_names import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 if sys.version_info >= (3, 11):
@@ -91,6 +91,9 @@ class TaskLimits:
     two_sided: bool = False
     flips_ratio: float = 2.0
     min_flip_allowance: float = 0.01
+    # "ratio": the article's point rule; "binomial": the exact test of both counts (rules.flip_allowance).
+    flip_rule: str = "ratio"
+    flip_alpha: float = 0.05  # the binomial rule's one-sided test level
     # The baseline must score above this, or the task cannot tell a broken build from a good one.
     min_baseline_accuracy: float = 0.05
 
@@ -362,6 +365,8 @@ _TASK_LIMIT_CHECKS = {
     "two_sided": _boolean,
     "flips_ratio": _RATIO,
     "min_flip_allowance": _FRACTION,
+    "flip_rule": _text(FLIP_RULES),
+    "flip_alpha": _number(0, 0.5, low_open=True),
     "min_baseline_accuracy": _FRACTION,
 }
 _SPEED_CHECKS = {

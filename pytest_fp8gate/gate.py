@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import gpus, hardware, roofline, rules
-from .config import GateConfig, SpeedSpec, TaskSpec
+from .config import GateConfig, SpeedSpec, TaskLimits, TaskSpec
 from .dumps import DumpFormatError
 from .measure import PASS_DESCRIPTIONS, Measurements, ModelResult, PassResult
 from .rules import RuleOutcome
@@ -205,12 +205,15 @@ class Gate:
         task = self._task(case.task)
         comparison, floors = self.answer_comparison(case)
         floor_flips = max((c.flips for c in floors.values()), default=0)
+        limits = task.limits
         outcome = rules.flips_within_noise_floor(comparison.flips, floor_flips, comparison.questions,
-                                                 ratio=task.limits.flips_ratio,
-                                                 min_allowance_fraction=task.limits.min_flip_allowance)
+                                                 ratio=limits.flips_ratio,
+                                                 min_allowance_fraction=limits.min_flip_allowance,
+                                                 rule=limits.flip_rule, alpha=limits.flip_alpha)
         notes = [f"candidate flips: {comparison.right_to_wrong} right->wrong, {comparison.wrong_to_right} "
                  f"wrong->right; accuracy {comparison.accuracy_base:.4f} -> {comparison.accuracy_cand:.4f}; "
-                 f"McNemar exact p {comparison.mcnemar_p:.4g}"]
+                 f"McNemar exact p {comparison.mcnemar_p:.4g}", _flip_rule_note(limits, floor_flips,
+                                                                                comparison.questions, outcome)]
         notes += [f"noise pass {label}: {c.flips} flip{'' if c.flips == 1 else 's'} ({PASS_DESCRIPTIONS[label]})"
                   for label, c in floors.items()]
         if floor_flips == 0:
@@ -278,6 +281,23 @@ class Gate:
                    "kv_cache_tokens": result.kv_cache_tokens, "baseline_kv_cache_tokens": base.kv_cache_tokens,
                    "baseline_latency": base.latency.as_dict()}
         return Verdict(case, outcome, details, tuple(notes))
+
+
+def _flip_rule_note(limits: TaskLimits, floor_flips: int, questions: int, outcome: RuleOutcome) -> str:
+    rows = dict(outcome.rows)
+    resolution = rows[rules.RESOLUTION_ROW]
+    if limits.flip_rule == rules.FLIP_BINOMIAL:
+        judged = (f"judged by the one-sided exact conditional binomial test (an addition): fails when "
+                  f"p < {limits.flip_alpha:g} and the count is above the minimum allowance, so at most "
+                  f"{outcome.limit:g} flips pass against a floor of {floor_flips}")
+    else:
+        judged = (f"judged by the article's rule: at most max({limits.flips_ratio:g} x {floor_flips}, "
+                  f"{rows['minimum allowance']:g}) = {outcome.limit:g} flips; p and SE margin are additions")
+    floor_rate = floor_flips / questions
+    times = f", {resolution / floor_rate:.3g} x the floor" if floor_rate > 0 else ""
+    return (f"{judged}. Resolution at {questions} questions and a floor rate of {floor_rate:.3g}: a true flip "
+            f"rate of {resolution:.3g}{times} is caught with {rules.DETECTION_POWER:.0%} power; a pass does not "
+            f"rule out a candidate that flips less")
 
 
 def _roofline(model: ModelResult, bandwidth_gbps: float, context_tokens: int) -> roofline.RooflineEstimate:

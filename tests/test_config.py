@@ -252,6 +252,15 @@ BAD_INPUTS = {
         MODELS + "[[tasks]]\ntask = \"t\"\nmetric = \"acc\"\n[tasks.limits]\nflips_ratio = 0.5\n",
         "tasks[0].limits.flips_ratio: expected a number >= 1, got 0.5",
     ),
+    "unknown flip rule": (
+        MODELS + "[[tasks]]\ntask = \"t\"\nmetric = \"acc\"\n[tasks.limits]\nflip_rule = \"binomal\"\n",
+        "tasks[0].limits.flip_rule: expected one of 'ratio', 'binomial', got string 'binomal'; "
+        "did you mean 'binomial'?",
+    ),
+    "flip test level out of range": (
+        MODELS + "[[tasks]]\ntask = \"t\"\nmetric = \"acc\"\n[tasks.limits]\nflip_alpha = 0.9\n",
+        "tasks[0].limits.flip_alpha: expected a number in (0, 0.5], got 0.9",
+    ),
     "not finite": (
         MINIMAL.replace("[speed]", "[speed]\nbandwidth_gbps = nan"),
         "speed.bandwidth_gbps: expected a number >= 0, got nan",

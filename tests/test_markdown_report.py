@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -141,6 +142,14 @@ def test_rule_numbers_land_in_junit_properties(pytester: pytest.Pytester, family
     result.assert_outcomes(passed=1, failed=1)
     cases = {case.get("name"): {p.get("name"): p.get("value") for p in case.iter("property")}
              for case in ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")}
+    additions = {key: float(cases["test_flips"].pop(f"fp8gate.row.{key}")) for key in
+                 ("p, exact test of flips <= 2 x floor (addition)", "margin in SE of the rates (addition)",
+                  rules.RESOLUTION_ROW)}
+    # 1 flip against a floor of 2: P(X >= 1) for Binomial(3, 2/3) = 26/27; (0.04 - 0.01) / SE.
+    assert additions["p, exact test of flips <= 2 x floor (addition)"] == pytest.approx(26 / 27)
+    assert additions["margin in SE of the rates (addition)"] == pytest.approx(
+        0.03 / math.sqrt(0.01 * 0.99 / 100 + 4 * 0.02 * 0.98 / 100))
+    assert 0.02 < additions[rules.RESOLUTION_ROW] < 0.2
     assert cases["test_flips"] == {
         "fp8gate.rule": "flips_within_noise_floor", "fp8gate.candidate": "fp8", "fp8gate.task": "tiny",
         "fp8gate.passed": "True", "fp8gate.measured": "1.0", "fp8gate.noise_floor": "2",

@@ -10,7 +10,11 @@ from pytest_fp8gate.rules import (
     accuracy_within_se,
     at_least,
     at_most,
+    FLIP_BINOMIAL,
+    RESOLUTION_ROW,
     decode_speed,
+    flip_allowance,
+    flip_margin_se,
     flips_within_noise_floor,
     is_overhead_bound,
 )
@@ -74,6 +78,55 @@ def test_zero_floor_gets_minimum_allowance():
 def test_minimum_allowance_does_not_round_up_float_noise():
     # 0.01 * 300 is 3.0000000000000004 in floating point.
     assert flips_within_noise_floor(3, 0, 300).limit == 3.0
+
+
+def test_binomial_rule_fails_a_planted_regression_the_counts_prove():
+    # The demo's noscale plant flips 16 of 100 against a floor of 2: p = 0.033 < 0.05.
+    outcome = flips_within_noise_floor(16, 2, 100, rule=FLIP_BINOMIAL)
+    assert not outcome.passed and outcome.rule == "flips_binomial_test"
+    rows = dict(outcome.rows)
+    assert rows["p, exact test of flips <= 2 x floor (addition)"] < 0.05
+    assert rows["test level alpha"] == 0.05
+    assert outcome.limit == 14.0 and outcome.margin == -2.0
+
+
+def test_binomial_rule_passes_what_the_counts_cannot_tell_apart():
+    # 8 flips against a floor of 2 fails the article's 2x rule, but p = 0.30: two
+    # small Poisson counts cannot tell 4x the floor from 2x.
+    assert not flips_within_noise_floor(8, 2, 100).passed
+    assert flips_within_noise_floor(8, 2, 100, rule=FLIP_BINOMIAL).passed
+
+
+def test_binomial_rule_keeps_the_minimum_allowance_and_fails_flips_on_a_zero_floor():
+    # With a floor of 0 the test rejects at (2/3)^c < 0.05, i.e. from 8 flips on.
+    assert flip_allowance(0, 100, rule=FLIP_BINOMIAL) == 7.0
+    assert not flips_within_noise_floor(8, 0, 100, rule=FLIP_BINOMIAL).passed
+    # A minimum allowance above the test's bound still applies.
+    assert flip_allowance(0, 1000, rule=FLIP_BINOMIAL) == 10.0
+
+
+def test_binomial_allowance_never_admits_a_count_the_test_rejects():
+    for floor in range(0, 30, 3):
+        allowed = int(flip_allowance(floor, 500, rule=FLIP_BINOMIAL, min_allowance_fraction=0.0))
+        assert flips_within_noise_floor(allowed, floor, 500, rule=FLIP_BINOMIAL, min_allowance_fraction=0.0).passed
+        assert not flips_within_noise_floor(allowed + 1, floor, 500, rule=FLIP_BINOMIAL,
+                                            min_allowance_fraction=0.0).passed
+
+
+def test_flip_verdicts_report_the_margin_in_standard_errors_and_the_resolution():
+    outcome = flips_within_noise_floor(8, 2, 100)
+    rows = dict(outcome.rows)
+    # (2 x 0.02 - 0.08) / sqrt(0.08 x 0.92 / 100 + 4 x 0.02 x 0.98 / 100)
+    expected = (0.04 - 0.08) / math.sqrt(0.08 * 0.92 / 100 + 4 * 0.02 * 0.98 / 100)
+    assert rows["margin in SE of the rates (addition)"] == pytest.approx(expected)
+    assert flip_margin_se(0, 0, 100, 2.0) == math.inf
+    # The binomial rule trades false alarms for resolution: it needs a larger true rate.
+    assert rows[RESOLUTION_ROW] < dict(flips_within_noise_floor(8, 2, 100, rule=FLIP_BINOMIAL).rows)[RESOLUTION_ROW]
+
+
+def test_unknown_flip_rule_is_an_error():
+    with pytest.raises(ValueError, match="rule must be one of"):
+        flip_allowance(2, 100, rule="poisson")
 
 
 def test_same_top_at_least_reference_and_floor_ratio():

@@ -230,3 +230,15 @@ def test_an_uncached_hub_model_offline_fails_before_any_engine(tmp_path: Path, m
     assert str(info.value) == (
         f"measuring bf16: {tmp_path / 'thresholds.toml'}: baseline.model: 'org/not-downloaded' is not in the Hugging "
         "Face cache and HF_HUB_OFFLINE is set; download it first (hf download org/not-downloaded) or unset HF_HUB_OFFLINE")
+
+
+@pytest.mark.parametrize("rule, name", [("ratio", "flips_within_noise_floor"), ("binomial", "flips_binomial_test")])
+def test_the_flip_rule_named_in_the_limits_judges_and_explains_itself(tmp_path: Path, rule: str, name: str) -> None:
+    # The candidate gets all 20 of the baseline's right answers wrong against a floor of 0 flips.
+    gate = _gate(tmp_path, [1] * 20 + [0] * 20, f'[tasks.limits]\nflip_rule = "{rule}"')
+    verdict = gate.evaluate(Case("flips", "fp8", "arith"))
+    assert not verdict.passed and verdict.outcome.rule == name
+    text = verdict.explain()
+    assert "candidate flips" in text and "margin in SE of the rates (addition)" in text
+    assert "Resolution at 40 questions and a floor rate of 0" in text
+    assert ("one-sided exact conditional binomial test (an addition)" in text) == (rule == "binomial")

@@ -12,6 +12,9 @@ from pytest_fp8gate.statistics import (
     LogprobRun,
     compare_answers,
     compare_logprobs,
+    detectable_flip_rate,
+    flip_ratio_p,
+    flip_rule_power,
     mcnemar_exact_p,
 )
 
@@ -308,3 +311,36 @@ def test_prompt_hash_mismatch_raises_naming_the_doc():
 def test_different_question_sets_raise(base_ids, cand_ids, message):
     with pytest.raises(ComparisonError, match=message):
         compare_answers([answer(i, True) for i in base_ids], [answer(i, True) for i in cand_ids])
+
+
+# ---- flip-rule uncertainty ----------------------------------------------------
+
+
+def test_flip_ratio_p_is_the_upper_binomial_tail_of_the_candidates_share():
+    # 8 of 10 flips from the candidate, H0 share 2/3: P(X >= 8) for Binomial(10, 2/3).
+    expected = sum(math.comb(10, i) * (2 / 3) ** i * (1 / 3) ** (10 - i) for i in range(8, 11))
+    assert flip_ratio_p(8, 2, 2.0) == pytest.approx(expected)
+    assert flip_ratio_p(0, 0, 2.0) == 1.0
+    assert flip_ratio_p(3, 0, 2.0) == pytest.approx((2 / 3) ** 3)
+
+
+def test_flip_ratio_p_falls_as_the_candidate_flips_more():
+    values = [flip_ratio_p(c, 5, 2.0) for c in range(0, 40)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert values[10] > 0.5 and values[30] < 0.01
+
+
+def test_flip_rule_power_matches_a_simulation_of_both_counts():
+    rng = np.random.default_rng(7)
+    floor = rng.binomial(100, 0.02, 200_000)
+    cand = rng.binomial(100, 0.08, 200_000)
+    simulated = float(np.mean(cand > np.maximum(2 * floor, 1)))
+    assert flip_rule_power(lambda f: max(2 * f, 1), 0.02, 0.08, 100) == pytest.approx(simulated, abs=0.005)
+
+
+def test_detectable_flip_rate_is_where_power_reaches_the_target_and_shrinks_with_questions():
+    rule = lambda f: max(2 * f, 1)  # noqa: E731
+    rate = detectable_flip_rate(rule, 0.02, 100)
+    assert flip_rule_power(rule, 0.02, rate, 100) >= 0.8 > flip_rule_power(rule, 0.02, rate - 0.002, 100)
+    assert detectable_flip_rate(rule, 0.02, 1000) < rate
+    assert detectable_flip_rate(lambda f: 100, 0.02, 100) == math.inf

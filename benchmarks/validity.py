@@ -1,0 +1,349 @@
+"""How often the gate blocks a good build and how often it ships a bad one, on the embedded model.
+
+Run: HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 flock /tmp/fp8gate-engine.lock \
+       .venv/bin/python benchmarks/validity.py [--questions N] [--nulls N] [--chunks N]
+
+One baseline engine (the embedded BF16 model with the demo's engine settings, engine
+core in-process as the demo runs it) scores the demo's corpus and answers the first N
+task questions once; the same engine then gives the batch-order noise pass and the
+order-changed null candidates. The FP16 build gives the other noise pass; the floor is
+the worse of the two, as in the gate. Every other candidate is one engine start.
+
+- Null candidates, equally valid BF16 builds: the baseline re-served in other request
+  orders and batch sizes, and copies whose linear weights were stochastically
+  re-rounded to BF16 (each weight moves one BF16 step with probability 1/4: another
+  rounding of the same underlying values), one per seed.
+- Graded regressions: the `mild` plant's stretched per-tensor FP8 scale at four
+  stretches, and Gaussian weight noise (which reproduces flips, Dutta et al.) at four
+  sizes relative to each matrix's RMS.
+- vLLM's online fp8_per_channel as the reference good FP8 build.
+
+Every candidate is judged with the gate's own rule functions and the demo's limits.
+Resolution: flips analytically (both counts binomial, rules' exact allowance), KL by
+simulation from the measured floor KL and the candidates' relative SE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from plant_kl import strict_answers, task_prompts
+
+from pytest_fp8gate import rules
+from pytest_fp8gate.config import GateConfig, ModelSpec, load_config
+from pytest_fp8gate.corpus import chunk_corpus
+from pytest_fp8gate.demo_run import DEMO_CONFIG
+from pytest_fp8gate.engine import Engine
+from pytest_fp8gate.gate import PROBABILITY_METRICS
+from pytest_fp8gate.measure import NOISE_BATCH_SIZE
+from pytest_fp8gate.planting import Recipe, fp8_round_trip, write_transformed
+from pytest_fp8gate.statistics import LogprobComparison, LogprobRun, compare_logprobs, detectable_flip_rate
+
+STRETCHES = (5e3, 1e4, 2e4, 3e4)  # 2e4 is the shipped `mild` plant
+NOISE_SIZES = (0.04, 0.08, 0.12, 0.18)  # Gaussian sigma / matrix RMS
+ORDERS = {"order-forward-b5": {"batch_size": 5}, "order-reverse": {"reverse": True}}
+FLOOR_FACTORS = (2.0, 5.0, 10.0, 20.0, 50.0)  # candidate floor_ratio values for KL and same-top
+RULE_ORDER = ("same_top", "rms_dp", "ppl_ratio", "mean_kl", "accuracy", "flips", "flips_binomial")
+
+
+@dataclass(frozen=True)
+class Measured:
+    run: LogprobRun
+    answers: list[str | None]
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One candidate against the baseline and the floor, with each rule's verdict."""
+
+    name: str
+    group: str  # "null", "regression" or "reference"
+    comparison: LogprobComparison
+    accuracy: float
+    flips: int
+    verdicts: dict[str, rules.RuleOutcome]
+    kl_ratio: float  # candidate mean KL / floor mean KL
+    disagreement_ratio: float  # (1 - same top) / the floor's
+
+    @property
+    def failed(self) -> list[str]:
+        return [rule for rule in RULE_ORDER if not self.verdicts[rule].passed]
+
+
+def rerounded(seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Stochastic re-rounding at BF16's own step: W + u * ulp(W), u ~ U(-1/2, 1/2), rounded up or down at random."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def transform(weight: torch.Tensor) -> torch.Tensor:
+        w = weight.to(torch.float32)
+        ulp = torch.where(w != 0, torch.exp2(torch.floor(torch.log2(w.abs())) - 7), torch.zeros_like(w))
+        u = torch.rand(w.shape, generator=generator) - 0.5
+        moves = torch.rand(w.shape, generator=generator) < u.abs()
+        return torch.where(moves, w + torch.sign(u) * ulp, w).to(weight.dtype)
+
+    return transform
+
+
+def gaussian(size: float, seed: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+
+    def transform(weight: torch.Tensor) -> torch.Tensor:
+        w = weight.to(torch.float32)
+        rms = float(w.pow(2).mean().sqrt())
+        return (w + size * rms * torch.randn(w.shape, generator=generator)).to(weight.dtype)
+
+    return transform
+
+
+def stretched(stretch: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    recipe = Recipe(f"stretch {stretch:g}", stretch=stretch, restore_outlier=True)
+    return lambda weight: fp8_round_trip(recipe, weight)
+
+
+def run_engine(spec: ModelSpec, config: GateConfig, prompts: list[str], orders: dict[str, dict],
+               dtype: str | None = None) -> dict[str, Measured]:
+    """One engine start: the main pass and, in the same engine, one pass per request order."""
+    assert config.probabilities is not None
+    engine = Engine(spec, max_logprobs=-1, dtype=dtype, in_process=config.deterministic_scheduling)
+    try:
+        pieces = chunk_corpus(engine, config.probabilities, config.path)
+        passes = {"main": {}, **orders}
+        return {label: Measured(engine.prompt_logprobs(pieces, top_k=config.probabilities.top_k, full_vocab=True,
+                                                        **order),
+                                strict_answers(engine, prompts, **order))
+                for label, order in passes.items()}
+    finally:
+        engine.shutdown()
+
+
+def judge(name: str, group: str, base: Measured, cand: Measured, floors: list[Measured], golds: list[str],
+          config: GateConfig) -> Figures:
+    """The demo gate's verdicts on measured numbers, as Gate.probability/accuracy/flips compute them."""
+    assert config.probabilities is not None
+    limits, task = config.probabilities.limits, config.tasks[0].limits
+    comparison = compare_logprobs(base.run, cand.run)
+    floor_comparisons = [compare_logprobs(base.run, f.run) for f in floors]
+    verdicts: dict[str, rules.RuleOutcome] = {}
+    for metric, (limit_key, field, rule, ideal) in PROBABILITY_METRICS.items():
+        worst = max((getattr(c, field) for c in floor_comparisons), key=lambda v: abs(v - ideal))
+        verdicts[metric] = rule(metric, getattr(comparison, field), getattr(limits, limit_key), worst,
+                                limits.floor_ratio, ideal=ideal, measured_se=comparison.standard_error(field) or 0.0,
+                                k_se=limits.limit_se)
+    n = len(golds)
+    flips = count_flips(base, cand, golds)
+    floor_flips = max(count_flips(base, f, golds) for f in floors)
+    verdicts["accuracy"] = rules.accuracy_within_se(accuracy(base, golds), accuracy(cand, golds), n,
+                                                    k=task.accuracy_se)
+    for key, rule_name in (("flips", rules.FLIP_RATIO), ("flips_binomial", rules.FLIP_BINOMIAL)):
+        verdicts[key] = rules.flips_within_noise_floor(flips, floor_flips, n, ratio=task.flips_ratio,
+                                                       min_allowance_fraction=task.min_flip_allowance,
+                                                       rule=rule_name, alpha=task.flip_alpha)
+    floor_kl = max(c.mean_kl for c in floor_comparisons)
+    floor_disagreement = max(1 - c.same_top for c in floor_comparisons)
+    return Figures(name, group, comparison, accuracy(cand, golds), flips, verdicts,
+                   _ratio(comparison.mean_kl, floor_kl), _ratio(1 - comparison.same_top, floor_disagreement))
+
+
+def accuracy(measured: Measured, golds: list[str]) -> float:
+    return sum(a == g for a, g in zip(measured.answers, golds)) / len(golds)
+
+
+def count_flips(base: Measured, cand: Measured, golds: list[str]) -> int:
+    """Questions graded differently (right vs wrong), the article's flips."""
+    return sum((a == g) != (b == g) for a, b, g in zip(base.answers, cand.answers, golds))
+
+
+def _ratio(value: float, floor: float) -> float:
+    return value / floor if floor > 0 else math.inf
+
+
+def floor_factor_fails(figures: Figures, floors: list[LogprobComparison], factor: float,
+                       config: GateConfig) -> tuple[bool, bool]:
+    """(KL fails, same top fails) with probabilities.limits.floor_ratio = factor, limit_se as configured."""
+    assert config.probabilities is not None
+    limits, c = config.probabilities.limits, figures.comparison
+    kl = rules.at_most("mean_kl", c.mean_kl, limits.max_mean_kl, max(f.mean_kl for f in floors), factor,
+                       measured_se=c.kl_se or 0.0, k_se=limits.limit_se)
+    same = rules.at_least("same_top", c.same_top, limits.min_same_top, min(f.same_top for f in floors), factor,
+                          measured_se=c.same_top_se, k_se=limits.limit_se)
+    return not kl.passed, not same.passed
+
+
+# ---- printing -------------------------------------------------------------------
+
+
+def print_candidates(title: str, figures: list[Figures]) -> None:
+    print(f"\n{title}")
+    print(f"{'candidate':<22} {'KL':>9} {'KL/flr':>7} {'same top':>9} {'dis/flr':>7} {'RMS dp':>7} "
+          f"{'PPL ratio':>9} {'acc':>5} {'flips':>5}  {'binom p':>7}  failed rules")
+    for f in figures:
+        p = dict(f.verdicts["flips"].rows)["p, exact test of flips <= 2 x floor (addition)"]
+        print(f"{f.name:<22} {f.comparison.mean_kl:>9.6f} {f.kl_ratio:>7.2f} {f.comparison.same_top:>9.4%} "
+              f"{f.disagreement_ratio:>7.2f} {f.comparison.rms_dp:>7.3%} {f.comparison.ppl_ratio:>9.5f} "
+              f"{f.accuracy:>5.2f} {f.flips:>5}  {p:>7.3f}  {', '.join(f.failed) or '-'}")
+
+
+def print_rates(label: str, figures: list[Figures]) -> None:
+    n = len(figures)
+    cells = [f"{rule} {sum(not f.verdicts[rule].passed for f in figures)}/{n}" for rule in RULE_ORDER]
+    gate_article = sum(any(not f.verdicts[r].passed for r in RULE_ORDER if r != "flips_binomial") for f in figures)
+    gate_binomial = sum(any(not f.verdicts[r].passed for r in RULE_ORDER if r != "flips") for f in figures)
+    print(f"{label}: " + "; ".join(cells))
+    if label == "False alarms":
+        print(f"  (none of {n} failing bounds a rule's false-alarm rate below {upper_bound(0, n):.1%}, "
+              f"one-sided 95% Clopper-Pearson; one of {n}: below {upper_bound(1, n):.1%})")
+    print(f"{label}, whole gate (every probability rule, accuracy, flips): with the article's flip rule "
+          f"{gate_article}/{n}, with the binomial flip rule {gate_binomial}/{n}")
+
+
+def upper_bound(failures: int, trials: int, confidence: float = 0.95) -> float:
+    """One-sided Clopper-Pearson upper bound of a rate seen failures times in trials."""
+    def cdf(p: float) -> float:
+        return sum(math.comb(trials, i) * p**i * (1 - p) ** (trials - i) for i in range(failures + 1))
+    low, high = failures / trials, 1.0
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if cdf(middle) > 1 - confidence else (low, middle)
+    return high
+
+
+def print_floor_factors(figures: list[Figures], floors: list[LogprobComparison], config: GateConfig) -> None:
+    print("\nFloor-relative probability limits (floor_ratio = c: KL <= c x floor KL, disagreement <= c x floor's; "
+          "limit_se as in the demo; the Q8_0 limit still applies)")
+    print(f"{'c':>5}  {'nulls failing KL/same top':>26}  {'fp8 ref KL/same top':>20}  regressions caught KL/same top")
+    for factor in FLOOR_FACTORS:
+        counts = {}
+        for group in ("null", "reference", "regression"):
+            members = [f for f in figures if f.group == group]
+            fails = [floor_factor_fails(f, floors, factor, config) for f in members]
+            counts[group] = f"{sum(k for k, _ in fails)}/{sum(s for _, s in fails)} of {len(members)}"
+        print(f"{factor:>5g}  {counts['null']:>26}  {counts['reference']:>20}  {counts['regression']}")
+
+
+def kl_power(ratio: float, floor_kl: float, floor_se: float, relative_se: float, factor: float | None,
+             reference: float, k_se: float, rng: np.random.Generator, draws: int = 20000) -> float:
+    """Share of simulated candidates at ratio x the floor KL that the KL rule fails."""
+    cand = ratio * floor_kl * (1 + relative_se * rng.standard_normal(draws))
+    limit = np.full(draws, reference)
+    if factor is not None:
+        limit = np.minimum(limit, factor * (floor_kl + floor_se * rng.standard_normal(draws)))
+    return float(np.mean(cand - k_se * relative_se * np.abs(cand) > limit))
+
+
+def smallest_ratio(power_of: Callable[[float], float], target: float = rules.DETECTION_POWER) -> float:
+    for ratio in np.geomspace(1.0, 1e4, 161):
+        if power_of(float(ratio)) >= target:
+            return float(ratio)
+    return math.inf
+
+
+def print_resolution(figures: list[Figures], floors: list[LogprobComparison], floor_flips_rate: float,
+                     null_flip_rate: float, questions: int, config: GateConfig) -> None:
+    assert config.probabilities is not None
+    task, limits = config.tasks[0].limits, config.probabilities.limits
+    print(f"\nResolution: the smallest true ratio over the noise floor caught with "
+          f"{rules.DETECTION_POWER:.0%} power")
+    print(f"flips (analytic: floor and candidate counts independent binomials; floor rate = the nulls' mean "
+          f"flip rate {null_flip_rate:.4f}; the study's floor count gave {floor_flips_rate:.4f})")
+    rate = null_flip_rate if null_flip_rate > 0 else floor_flips_rate
+    for n in sorted({questions, 250, 500}):
+        cells = []
+        for rule_name in rules.FLIP_RULES:
+            def allowance(f: int, n: int = n, rule_name: str = rule_name) -> float:
+                return rules.flip_allowance(f, n, task.flips_ratio, task.min_flip_allowance, rule_name,
+                                            task.flip_alpha)
+            caught = detectable_flip_rate(allowance, rate, n, rules.DETECTION_POWER)
+            cells.append(f"{rule_name}: rate {caught:.4f} = {caught / rate:.2f} x floor" if rate > 0
+                         else f"{rule_name}: rate {caught:.4f}")
+        print(f"  {n:>4} questions{' (demo default)' if n == questions else ''}: " + "; ".join(cells))
+    floor = max(floors, key=lambda c: c.mean_kl)
+    relative_se = float(np.median([f.comparison.kl_se / f.comparison.mean_kl for f in figures
+                                   if f.comparison.mean_kl > 0]))
+    chunks = config.probabilities.chunks
+    print(f"KL (simulation, 20,000 draws: candidate KL normal around ratio x the floor's {floor.mean_kl:.3g} with "
+          f"the candidates' median relative SE {relative_se:.3f} at {floor.positions} positions; floor drawn with "
+          f"its SE {floor.kl_se:.2g}; SEs shrink as 1/sqrt(chunks))")
+    rng = np.random.default_rng(0)
+    for scale in (1, 4, 16):
+        shrink = 1 / math.sqrt(scale)
+        cells = []
+        for factor in (None, 10.0, 20.0):
+            ratio = smallest_ratio(lambda r: kl_power(r, floor.mean_kl, floor.kl_se * shrink, relative_se * shrink,
+                                                      factor, limits.max_mean_kl, limits.limit_se, rng))
+            cells.append(f"{'Q8_0 limit only' if factor is None else f'floor_ratio {factor:g}'}: {ratio:.1f} x")
+        print(f"  {chunks * scale:>4} chunks{' (demo default)' if scale == 1 else ''}: " + "; ".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--questions", type=int, default=None, help="default: the demo task's limit")
+    parser.add_argument("--nulls", type=int, default=30, help="re-rounded BF16 builds (plus 2 order changes)")
+    parser.add_argument("--chunks", type=int, default=None, help="corpus chunks (default: the demo's)")
+    parser.add_argument("--severities", type=int, default=len(STRETCHES), help="graded strengths per kind")
+    args = parser.parse_args()
+    # vLLM's own handlers print to stdout; unconfigured, its warnings reach stderr and stdout keeps the tables.
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+    config = load_config(DEMO_CONFIG)
+    assert config.probabilities is not None
+    if args.chunks:
+        config = replace(config, probabilities=replace(config.probabilities, chunks=args.chunks))
+    questions = args.questions or config.tasks[0].limit
+    prompts, golds = task_prompts(questions)
+    baseline = config.baseline
+    orders = {"batch-order": {"batch_size": NOISE_BATCH_SIZE, "reverse": True}, **ORDERS}
+    base_passes = run_engine(baseline, config, prompts, orders)
+    base = base_passes["main"]
+    floors = [base_passes["batch-order"], run_engine(baseline, config, prompts, {}, dtype="float16")["main"]]
+
+    builds: list[tuple[str, str, Callable[[torch.Tensor], torch.Tensor] | None]] = [
+        *((f"bf16-reround-{seed}", "null", rerounded(seed)) for seed in range(1, args.nulls + 1)),
+        *((f"stretch-{s:g}", "regression", stretched(s)) for s in STRETCHES[:args.severities]),
+        *((f"gauss-{size:g}", "regression", gaussian(size)) for size in NOISE_SIZES[:args.severities]),
+    ]
+    figures = [judge(label, "null", base, base_passes[label], floors, golds, config) for label in ORDERS]
+    figures.append(judge("fp8_per_channel", "reference", base,
+                         run_engine(replace(baseline, name="fp8", quantization="fp8_per_channel"), config,
+                                    prompts, {})["main"], floors, golds, config))
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, group, transform in builds:
+            out = Path(scratch) / name
+            out.mkdir()
+            write_transformed(transform, Path(baseline.model), out)
+            measured = run_engine(replace(baseline, name=name, model=str(out)), config, prompts, {})["main"]
+            figures.append(judge(name, group, base, measured, floors, golds, config))
+            print(f"measured {name}", file=sys.stderr, flush=True)
+
+    floor_comparisons = [compare_logprobs(base.run, f.run) for f in floors]
+    floor_flips = max(count_flips(base, f, golds) for f in floors)
+    nulls = [f for f in figures if f.group == "null"]
+    regressions = [f for f in figures if f.group == "regression"]
+    print(f"Embedded model, demo limits; {questions} questions, {floor_comparisons[1].positions} corpus positions; "
+          f"baseline accuracy {accuracy(base, golds):.2f}")
+    print("Noise floor: " + "; ".join(f"{label}: KL {c.mean_kl:.3g}, same top {c.same_top:.4%}"
+                                      for label, c in zip(("batch-order", "fp16"), floor_comparisons))
+          + f"; floor flips {floor_flips} (batch-order {count_flips(base, floors[0], golds)}, "
+          f"fp16 {count_flips(base, floors[1], golds)}; the gate takes the worse)")
+    print_candidates("Table 1. Null candidates (equally valid BF16 builds)", nulls)
+    print_rates("False alarms", nulls)
+    print_candidates("Table 2. Graded regressions (and the fp8_per_channel reference)",
+                     [f for f in figures if f.group == "reference"] + regressions)
+    print_rates("Detections", regressions)
+    for f in regressions:
+        print(f"  {f.name}: first rule to catch it: {f.failed[0] if f.failed else 'none'}")
+    print_floor_factors(figures, floor_comparisons, config)
+    null_rate = float(np.mean([f.flips for f in nulls])) / questions
+    print_resolution(figures, floor_comparisons, floor_flips / questions, null_rate, questions, config)
+
+
+if __name__ == "__main__":
+    main()
