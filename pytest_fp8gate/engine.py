@@ -87,6 +87,8 @@ class Engine:
         log.info("fp8gate: starting engine for %s (%s)", spec.name, _describe(kwargs))
         self.spec = spec
         self.kwargs = kwargs  # as they reached vLLM, for the provenance record
+        # Read before the start: a release the gate cannot use is refused with no engine to stop.
+        self.capabilities = capabilities.detect_installed()
         before = lifecycle.starting(spec.name)
         try:
             self.llm = LLM(**kwargs)
@@ -97,7 +99,6 @@ class Engine:
         self.start_s = time.perf_counter() - started
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
-        self.capabilities = capabilities.detect_installed()
 
     # ---- facts -------------------------------------------------------------
 

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from . import capabilities as capabilities_mod
 from . import corpus as corpus_mod
 from . import hardware, preflight, provenance
-from .capabilities import EngineCapabilities
 from .atomic import atomic_write_text
 from .config import GateConfig, ModelSpec, TaskSpec
 from .dumps import RUN_ID, SAMPLES_RUN_ID, read_lm_eval_samples, write_lm_eval_samples, write_logprob_dump
@@ -133,7 +132,6 @@ class Measurements:
         self._failures: dict[str, BaseException] = {}
         # Why the engine could not score the baseline's top-k ids (None: it could, or was not asked).
         self.id_scoring_refusal: str | None = None
-        self.capabilities: EngineCapabilities | None = None  # of the last engine started
         # label -> free MiB per visible GPU before start, while running, after shutdown (None: no GPU).
         self.gpu_free_mib: dict[str, dict[str, list[int] | None]] = {}
 
@@ -195,7 +193,6 @@ class Measurements:
         memory = {"before_start": hardware.cuda_free_memory_mib()}
         engine = Engine(spec, max_logprobs=self._max_logprobs(), dtype=dtype,
                         in_process=self.config.deterministic_scheduling)
-        self.capabilities = engine.capabilities
         note = capabilities_mod.version_note(engine.capabilities.vllm_version)
         if note:
             self.announce(f"fp8gate: {note}")
