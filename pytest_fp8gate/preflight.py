@@ -10,10 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import GateConfig
+from .config import GateConfig, ModelSpec
 
 if TYPE_CHECKING:
     from .measure import Needs
+
+
+def _engine_specs(gate: GateConfig, needs: dict[str, Needs]) -> dict[str, ModelSpec]:
+    """The models an engine will load, by their key in the thresholds file: the baseline
+    and every candidate a selected rule needs."""
+    specs = {"baseline": gate.baseline}
+    specs |= {f"candidates[{i}]": spec for i, spec in enumerate(gate.candidates) if spec.name in needs}
+    return specs
 
 
 def hub_problem(gate: GateConfig, needs: dict[str, Needs]) -> str | None:
@@ -22,9 +30,7 @@ def hub_problem(gate: GateConfig, needs: dict[str, Needs]) -> str | None:
 
     if not constants.is_offline_mode():
         return None
-    specs = {"baseline": gate.baseline}
-    specs |= {f"candidates[{i}]": spec for i, spec in enumerate(gate.candidates) if spec.name in needs}
-    for where, spec in specs.items():
+    for where, spec in _engine_specs(gate, needs).items():
         if Path(spec.model).is_absolute():
             continue
         cached = try_to_load_from_cache(spec.model, "config.json", revision=spec.engine.get("revision"))
@@ -43,9 +49,7 @@ def parallelism_problem(gate: GateConfig, visible_gpus: int, needs: dict[str, Ne
     """
     if gate.device != "cuda":
         return None
-    specs = {"baseline": gate.baseline}
-    specs |= {f"candidates[{i}]": spec for i, spec in enumerate(gate.candidates) if spec.name in needs}
-    for where, spec in specs.items():
+    for where, spec in _engine_specs(gate, needs).items():
         if spec.engine.get("distributed_executor_backend") == "ray":
             continue
         sizes = {key: int(spec.engine.get(key, 1))
