@@ -5,6 +5,7 @@ all deselected), unless --fp8gate-allow-no-rules; with --fp8gate-require-gpu, a
 run in which no rule test ran on a GPU. A file found in rootdir only implicitly
 is refused only with --fp8gate-require-gpu (a gate run); otherwise the summary
 says it gated nothing, so that a project's unit tests can live beside it.
+Refused outright: a run distributed by pytest-xdist.
 """
 
 from __future__ import annotations
@@ -44,6 +45,17 @@ def check_toml_args(config: pytest.Config, configured: Path | None) -> None:
             which = f"the gate's is {display_path(configured)}" if configured else "none is configured"
             raise pytest.UsageError(f"{arg}: not the gate's thresholds file ({which}); "
                                     f"pass --fp8gate-config {arg} to gate with it")
+
+
+def check_not_distributed(config: pytest.Config) -> None:
+    """Refuse pytest-xdist: the gate holds one engine at a time, in one process."""
+    # xdist's options exist only where it is installed; a worker has them reset and carries workerinput.
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    workers, dist = config.getoption("numprocesses", None), config.getoption("dist", "no")
+    if worker or workers or dist != "no":
+        how = f"worker {worker}" if worker else f"-n {workers}" if workers else f"--dist {dist}"
+        raise pytest.UsageError(f"fp8gate cannot run under pytest-xdist ({how}): every worker would start "
+                                "its own baseline engine on the same GPU; run the gate without -n")
 
 
 def count_deselected(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -35,6 +35,7 @@ def pytest_configure(config: pytest.Config) -> None:
             config.stash[CONFIG_KEY] = load_config(options.display_path(settings.config_path))
         except ConfigError as err:
             raise pytest.UsageError(str(err)) from None
+        gating.check_not_distributed(config)
     gating.check_toml_args(config, settings.config_path)
 
 

@@ -277,3 +277,50 @@ def test_real_probe_is_consistent():
     probe = hardware.probe_cuda()
     assert hardware.cuda_device_names() == list(probe.names)
     assert probe.source
+
+
+# pytest-xdist is not installed here: these conftests declare its options (-n is its alias for
+# --numprocesses, a short option only xdist may add) or mark the process as a worker the way
+# xdist's worker does, so the refusal is tested without it.
+XDIST_OPTIONS = """
+def pytest_addoption(parser):
+    group = parser.getgroup("xdist")
+    group.addoption("--numprocesses", dest="numprocesses", type=int)
+    group.addoption("--dist", dest="dist", default="no")
+"""
+XDIST_WORKER = """
+import pytest
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    config.workerinput = {"workerid": "gw1"}
+"""
+XDIST_REFUSAL = ("ERROR: fp8gate cannot run under pytest-xdist ({}): every worker would start its own "
+                 "baseline engine on the same GPU; run the gate without -n")
+
+
+@pytest.mark.parametrize("conftest, args, how", [
+    (XDIST_OPTIONS, ["--numprocesses", "2"], "-n 2"),
+    (XDIST_OPTIONS, ["--dist", "loadfile"], "--dist loadfile"),
+    (XDIST_WORKER, [], "worker gw1"),
+], ids=["numprocesses", "dist", "worker"])
+def test_xdist_is_refused_with_a_thresholds_file(pytester: pytest.Pytester, conftest: str, args: list[str],
+                                                 how: str):
+    pytester.makeconftest(conftest)
+    pytester.makefile(".toml", thresholds=VALID)
+    result = pytester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.stderr.lines[0] == XDIST_REFUSAL.format(how)
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()
+
+
+@pytest.mark.parametrize("thresholds, args", [(None, ["--numprocesses", "2"]), (VALID, ["--numprocesses", "0"])],
+                         ids=["no-thresholds-file", "n-0"])
+def test_xdist_without_the_gate_or_without_workers_is_fine(pytester: pytest.Pytester, no_gpu,
+                                                           thresholds: str | None, args: list[str]):
+    pytester.makeconftest(XDIST_OPTIONS)
+    if thresholds:
+        pytester.makefile(".toml", thresholds=thresholds)
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest(*args)
+    result.assert_outcomes(passed=1, skipped=1 if thresholds else 0)
