@@ -41,6 +41,7 @@ def test_versions_older_than_the_range_get_a_note():
     assert version_note("0.26.0") is None and version_note("0.34.0.dev3") is None
 
 
+@pytest.mark.engine
 def test_installed_vllm_is_detected():
     pytest.importorskip("vllm")
     caps = capabilities.detect_installed()

@@ -19,6 +19,7 @@ import pytest
 
 from pytest_fp8gate.cli import main as fp8gate_main
 
+pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
 
 GOOD = "fp8-per-channel"

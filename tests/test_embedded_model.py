@@ -17,6 +17,7 @@ import pytest
 from pytest_fp8gate.cli import main as fp8gate_main
 from pytest_fp8gate.embedded import embedded_assets
 
+pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -63,9 +63,9 @@ def test_roofline_of_the_checkpoint_matches_online_fp8_per_channel(dynamic_check
 
 
 def test_static_checkpoint_carries_calibrated_activation_scales(tmp_path: Path):
-    text = embedded_assets().corpus.read_text(encoding="utf-8")[:8000]
+    text = embedded_assets().corpus.read_text(encoding="utf-8")[:1000]  # the layout, not the scales' quality
     path = write_fp8_checkpoint(embedded_assets().model, tmp_path / "fp8-static", "fp8-static",
-                                calibration=[text[:4000], text[4000:]])
+                                calibration=[text[:500], text[500:]])
     header = read_header(path / "model.safetensors")
     assert header["model.layers.0.mlp.down_proj.input_scale"]["shape"] == [1]
     assert header["model.layers.0.mlp.down_proj.weight_scale"]["shape"] == [1]

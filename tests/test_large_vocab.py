@@ -19,6 +19,7 @@ import pytest
 from pytest_fp8gate.embedded import embedded_assets
 from pytest_fp8gate.statistics import TOPK_KL
 
+pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
 
 RULES = ("test_same_top_near_baseline", "test_rms_dp_within_limit", "test_ppl_ratio_within_limit",

@@ -11,6 +11,8 @@ import pytest
 
 from pytest_fp8gate.vllm_names import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
+pytestmark = pytest.mark.engine
+
 # In a fresh interpreter: pytester's in-process runs unload modules, and vLLM cannot be imported twice.
 READ_VLLM = """
 import json
