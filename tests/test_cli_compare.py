@@ -95,7 +95,7 @@ def test_compare_logprobs_table(capsys, article_dumps):
 
 def test_compare_logprobs_reads_npz_with_kl(capsys, tmp_path):
     from pytest_fp8gate.dumps import write_logprob_dump
-    from pytest_fp8gate.statistics import LogprobRun
+    from pytest_fp8gate.logprobs import LogprobRun
 
     top = np.array([[1, 2], [3, 4]])
     base = LogprobRun([-0.1, -0.2], top, np.log([[0.6, 0.3], [0.5, 0.4]]))
