@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import hardware, roofline
 from .dumps import DumpFormatError, dump_run_id, read_lm_eval_samples, read_logprob_dump, samples_run_id
 from .answers import compare_answers
 from .errors import ComparisonError
@@ -192,8 +193,6 @@ def _add_roofline(subparsers: Any) -> None:
 
 
 def _run_roofline(args: argparse.Namespace) -> int:
-    from . import hardware, roofline  # imported here so the other commands work without them
-
     gpu = args.gpu and hardware.resolve_gpu_name(args.gpu)
     if args.gpu and gpu is None:
         raise CommandError(f"--gpu auto: no CUDA device visible ({hardware.probe_cuda().source}); "

@@ -139,7 +139,6 @@ class Measurements:
         self.artifacts = artifacts
         self.needs = needs
         self.announce = announce
-        self.engine_starts: dict[str, int] = {}
         self.baseline_cache = baseline_cache
         self.baseline_record: BaselineRecord | None = None
         self.engine_runs: list[dict[str, Any]] = []  # start time, duration and settings of each engine
@@ -206,7 +205,6 @@ class Measurements:
         """A started engine for ``spec``, shut down on leaving. Its start time, duration and
         settings are recorded, and free GPU memory before the start, while it runs and after
         the shutdown."""
-        self.engine_starts[label] = self.engine_starts.get(label, 0) + 1
         self.announce(f"fp8gate: engine start: {label} ({spec.model}, quantization={spec.quantization})")
         started_at, started = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
         memory = {"before_start": hardware.cuda_free_memory_mib()}

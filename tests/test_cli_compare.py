@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import pytest_fp8gate
+from pytest_fp8gate import roofline
 from pytest_fp8gate.cli import main
 
 
@@ -209,13 +207,10 @@ def test_samples_that_are_not_jsonl_are_one_line_error(capsys, tmp_path, article
 
 @pytest.fixture
 def fake_roofline(monkeypatch):
-    """Install a stand-in roofline module; the CLI must only wire arguments to it."""
+    """Install a stand-in roofline estimate; the CLI must only wire arguments to it."""
 
     def install(estimate_from_path):
-        fake = types.ModuleType("pytest_fp8gate.roofline")
-        fake.estimate_from_path = estimate_from_path
-        monkeypatch.setitem(sys.modules, "pytest_fp8gate.roofline", fake)
-        monkeypatch.setattr(pytest_fp8gate, "roofline", fake, raising=False)
+        monkeypatch.setattr(roofline, "estimate_from_path", estimate_from_path)
 
     return install
 

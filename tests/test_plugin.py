@@ -278,3 +278,11 @@ def test_real_probe_is_consistent():
     probe = hardware.probe_cuda()
     assert hardware.cuda_device_names() == list(probe.names)
     assert probe.source
+
+
+def test_version_is_the_installed_distribution_s() -> None:
+    import importlib.metadata
+
+    import pytest_fp8gate
+
+    assert pytest_fp8gate.__version__ == importlib.metadata.version("pytest-fp8gate")
