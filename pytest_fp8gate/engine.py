@@ -18,8 +18,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from . import capabilities, lifecycle
-from .config import ModelSpec
-from .statistics import LogprobRun
+from .spec import ModelSpec
+from .logprobs import LogprobRun
 
 log = logging.getLogger("fp8gate")
 

@@ -7,23 +7,16 @@ by side; the flip rule also shows the first flipped questions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
-from . import gpus, hardware, roofline, rules
-from .config import GateConfig, SpeedSpec, TaskLimits, TaskSpec
+from . import roofline, rules
+from .spec import GateConfig, SpeedSpec, TaskLimits, TaskSpec
 from .dumps import DumpFormatError
-from .measure import PASS_DESCRIPTIONS, Measurements, ModelResult, PassResult
+from .measure import PASS_DESCRIPTIONS, Measurements, ModelResult, PassResult, memory_bandwidth, weights_dir
 from .rules import RuleOutcome
-from .statistics import (
-    TOPK_KL,
-    AnswerComparison,
-    AnswerRecord,
-    ComparisonError,
-    LogprobComparison,
-    compare_answers,
-    compare_logprobs,
-)
+from .answers import AnswerComparison, AnswerRecord, compare_answers
+from .errors import ComparisonError
+from .logprobs import TOPK_KL, LogprobComparison, compare_logprobs
 
 FLIP_EXAMPLES = 3
 
@@ -236,20 +229,10 @@ class Gate:
 
     # ---- speed last ----------------------------------------------------------
 
-    def bandwidth(self) -> tuple[str, float] | None:
-        """The memory bandwidth to judge speed against: configured, else the detected GPU's."""
-        speed = self.config.speed
-        assert speed is not None
-        if speed.bandwidth_gbps > 0:
-            return speed.gpu, speed.bandwidth_gbps
-        name = hardware.resolve_gpu_name(speed.gpu)
-        entry = gpus.find_gpu(name) if name else None
-        return (entry.name, entry.bandwidth_gbps) if entry else None
-
     def speed(self, case: Case) -> Verdict:
         speed = self.config.speed
         assert speed is not None
-        found = self.bandwidth()
+        found = memory_bandwidth(speed)
         if found is None:
             raise GateError(f"{self.config.path}: speed: no memory-bandwidth figure for this device; "
                             "set speed.gpu to a known GPU or speed.bandwidth_gbps")
@@ -305,7 +288,7 @@ def _roofline(model: ModelResult, bandwidth_gbps: float, context_tokens: int) ->
     parallel = int(model.spec.engine.get("tensor_parallel_size", 1))
     try:
         return roofline.estimate_from_path(
-            _weights_dir(model.spec.model), quantization=model.spec.quantization,
+            weights_dir(model.spec.model), quantization=model.spec.quantization,
             bandwidth_gbps=bandwidth_gbps * parallel, context_tokens=context_tokens,
             kv_cache_dtype=model.spec.engine.get("kv_cache_dtype"),
         )
@@ -333,16 +316,6 @@ def _speed_judgement(speed: SpeedSpec, cand: rules.DecodeSpeed, base: rules.Deco
     return (f"judged against the baseline on the same GPU: the candidate's share of its ceiling over the "
             f"baseline's share, which equals the measured speedup over the speedup the bytes allow "
             f"(speed.rule = {speed.rule!r}, limit speed.min_share_of_baseline)")
-
-
-def _weights_dir(model: str) -> Path:
-    """A local checkpoint directory, or the Hugging Face cache snapshot the engine loaded."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(model, local_files_only=True))
 
 
 def _number(value: float) -> str:

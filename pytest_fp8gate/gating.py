@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from .collect import ThresholdsFile
-from .config import GateConfig
+from .spec import GateConfig
 from .options import Settings, display_path
 
 ALLOW_NO_RULES = "--fp8gate-allow-no-rules"

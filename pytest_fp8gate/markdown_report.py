@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from . import plots
-from .config import GateConfig, TaskSpec
+from .spec import GateConfig, TaskSpec
 from .dumps import read_lm_eval_generations
 from .gate import Case, Verdict
 from .measure import PASS_DESCRIPTIONS, BaselineRecord, ModelResult
 from .options import display_path
-from .statistics import AnswerComparison, FlippedAnswer, compare_answers
+from .answers import AnswerComparison, FlippedAnswer, compare_answers
 
 FLIPS_SHOWN = 20  # per candidate and task; the recompute command lists them all
 CONTEXT_WORDS = 6

@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import capabilities as capabilities_mod
 from . import corpus as corpus_mod
-from . import hardware, preflight, provenance
+from . import gpus, hardware, preflight, provenance
 from .atomic import atomic_write_text
-from .config import GateConfig, ModelSpec, TaskSpec
-from .dumps import RUN_ID, SAMPLES_RUN_ID, read_lm_eval_samples, write_lm_eval_samples, write_logprob_dump
+from .spec import GateConfig, ModelSpec, SpeedSpec, TaskSpec
+from .dumps import RUN_ID, read_lm_eval_samples, write_logprob_dump
 from .engine import FULL_VOCAB_LIMIT, Engine, IdScoringUnavailable, Latency
-from .statistics import AnswerRecord, ComparisonError, LogprobRun
+from .answers import AnswerRecord
+from .errors import ComparisonError
+from .logprobs import LogprobRun
 
 if TYPE_CHECKING:
     from .baseline_cache import BaselineCache
@@ -103,6 +105,25 @@ class BaselineRecord:
         return self.engine_runs[0]["started_at"] if self.engine_runs else None
 
 
+def memory_bandwidth(speed: SpeedSpec) -> tuple[str, float] | None:
+    """The memory bandwidth to judge speed against: configured, else the detected GPU's."""
+    if speed.bandwidth_gbps > 0:
+        return speed.gpu, speed.bandwidth_gbps
+    name = hardware.resolve_gpu_name(speed.gpu)
+    entry = gpus.find_gpu(name) if name else None
+    return (entry.name, entry.bandwidth_gbps) if entry else None
+
+
+def weights_dir(model: str) -> Path:
+    """A local checkpoint directory, or the Hugging Face cache snapshot the engine loaded."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, local_files_only=True))
+
+
 class Measurements:
     """Lazily measured results of the baseline, its noise passes and the candidates."""
 
@@ -118,7 +139,6 @@ class Measurements:
         self.artifacts = artifacts
         self.needs = needs
         self.announce = announce
-        self.engine_starts: dict[str, int] = {}
         self.baseline_cache = baseline_cache
         self.baseline_record: BaselineRecord | None = None
         self.engine_runs: list[dict[str, Any]] = []  # start time, duration and settings of each engine
@@ -185,7 +205,6 @@ class Measurements:
         """A started engine for ``spec``, shut down on leaving. Its start time, duration and
         settings are recorded, and free GPU memory before the start, while it runs and after
         the shutdown."""
-        self.engine_starts[label] = self.engine_starts.get(label, 0) + 1
         self.announce(f"fp8gate: engine start: {label} ({spec.model}, quantization={spec.quantization})")
         started_at, started = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
         memory = {"before_start": hardware.cuda_free_memory_mib()}
@@ -356,49 +375,14 @@ class Measurements:
             return run
         return dataclasses.replace(run, logprobs_on_base_ids=on_base_ids)
 
-    # ---- lm-eval -----------------------------------------------------------
-
     def _run_task(
         self, engine: Engine, task: TaskSpec, directory: Path, batch_size: int | None, reverse: bool
     ) -> Path:
-        from lm_eval import simple_evaluate
+        from . import lm_adapter  # lm-eval loads only when a task runs, not with the plugin
 
-        from .lm_adapter import EngineLM
-
-        lm = EngineLM(engine, add_bos_token=task.add_bos_token, max_gen_toks=task.max_gen_toks,
-                      batch_size=batch_size, reverse=reverse)
-        results = simple_evaluate(
-            model=lm,
-            tasks=[task.task],
-            num_fewshot=task.num_fewshot,
-            limit=task.limit or None,
-            log_samples=True,
-            apply_chat_template=task.apply_chat_template,
-            fewshot_as_multiturn=task.fewshot_as_multiturn,
-            task_manager=self._tasks(),
-            bootstrap_iters=0,
-        )
-        rows = [dict(row, task=sub, **{SAMPLES_RUN_ID: self.run_id})
-                for sub, sub_rows in results["samples"].items() for row in sub_rows]
-        if len(results["samples"]) > 1:
-            # A task group: keep doc ids distinct across its subtasks.
-            rows = [dict(row, doc_id=f"{row['task']}/{row['doc_id']}") for row in rows]
-        path = directory / f"samples_{task.name}.jsonl"
-        write_lm_eval_samples(path, rows)
-        atomic_write_text(directory / f"results_{task.name}.json",
-                          json.dumps(results["results"], indent=1, default=str))
-        return path
-
-    def _tasks(self) -> Any:
-        if self._task_manager is None:
-            from lm_eval.tasks import TaskManager
-
-            paths = [str(t.include_path) for t in self.config.tasks if t.include_path is not None]
-            # Indexing lm-eval's thousands of built-in task files takes minutes on a small
-            # CPU; skip it when every task names the directory it lives in.
-            builtin_needed = any(t.include_path is None for t in self.config.tasks)
-            self._task_manager = TaskManager(include_path=paths or None, include_defaults=builtin_needed)
-        return self._task_manager
+        if self._task_manager is None:  # built once: indexing task files is slow
+            self._task_manager = lm_adapter.task_manager(self.config.tasks)
+        return lm_adapter.run_task(engine, task, directory, self._task_manager, self.run_id, batch_size, reverse)
 
     def _pass_provenance(self, spec: ModelSpec, engine: Engine) -> dict[str, Any]:
         return {"environment": provenance.environment(), "model": self.fingerprint(spec),

@@ -1,4 +1,4 @@
-"""Options, ini keys and stash keys of the fp8gate plugin, and how they are read."""
+"""Options and ini keys of the fp8gate plugin, and how they are read into Settings."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from .config import GateConfig
 
 DEFAULT_CONFIG_NAME = "thresholds.toml"
 REQUIRE_GPU_ENV = "FP8GATE_REQUIRE_GPU"
@@ -39,7 +37,6 @@ class Settings:
 
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
-CONFIG_KEY = pytest.StashKey[GateConfig | None]()  # the loaded thresholds, None without a file
 
 
 def add_options(parser: pytest.Parser) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from .atomic import atomic_open
-from .statistics import AnswerComparison, LogprobRun, kl_per_position
+from .answers import AnswerComparison
+from .logprobs import LogprobRun, kl_per_position
 
 INSTALL_HINT = "pip install 'pytest-fp8gate[report]'"
 CANDIDATE_COLOR = "#c0392b"

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from . import fixtures, gating, hardware, lifecycle, options, report
+from . import gating, hardware, lifecycle, options, report, session
 from .cases import needs_of
 from .collect import ThresholdsFile
 from .config import ConfigError, load_config
-from .fixtures import NEEDS_KEY, VERDICTS_KEY
-from .options import CONFIG_KEY, SETTINGS_KEY
+from .options import SETTINGS_KEY
+from .session import CONFIG_KEY, NEEDS_KEY, VERDICTS_KEY
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -24,7 +24,7 @@ def pytest_configure(config: pytest.Config) -> None:
     settings = options.read_settings(config)
     config.stash[SETTINGS_KEY] = settings
     config.stash[CONFIG_KEY] = None
-    config.pluginmanager.register(fixtures, "fp8gate-fixtures")
+    config.pluginmanager.register(session, "fp8gate-session")
     config.pluginmanager.register(report.JsonReportMetadata(), "fp8gate-json-report")
     config.pluginmanager.register(report.SessionReport(), "fp8gate-report")
     # `pytest --help` must keep working while the thresholds file is broken.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import GateConfig, ModelSpec
+from .spec import GateConfig, ModelSpec
 
 if TYPE_CHECKING:
     from .measure import Needs

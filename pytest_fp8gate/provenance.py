@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import hardware
-from .config import DatasetCorpus, FileCorpus, ModelSpec, TaskSpec
+from .spec import DatasetCorpus, FileCorpus, ModelSpec, TaskSpec
 
 # Distribution names to ask for each component; the first one installed wins.
 _DISTRIBUTIONS = {

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from . import markdown_report
-from .fixtures import SESSION_KEY, VERDICT_KEY, VERDICTS_KEY, GateSession
+from .session import SESSION_KEY, VERDICTS_KEY, VERDICT_KEY, GateSession
 from .gate import Case, Verdict
 from .options import SETTINGS_KEY, display_path
 

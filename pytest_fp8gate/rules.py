@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .statistics import detectable_flip_rate, flip_ratio_p
+from .answers import binomial_se, detectable_flip_rate, flip_ratio_p
 
 __all__ = [
     "RuleOutcome",
@@ -85,7 +85,7 @@ def accuracy_within_se(
     for name, value in (("base_acc", base_acc), ("cand_acc", cand_acc)):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be a fraction in [0, 1], got {value}")
-    se = math.sqrt(base_acc * (1.0 - base_acc) / n)
+    se = binomial_se(base_acc, n)
     lower = base_acc - k * se
     rows: list[Row] = [
         ("baseline accuracy", base_acc),
@@ -125,7 +125,7 @@ def flip_allowance(
 
     ``ratio`` (the article): max(ratio x floor, minimum allowance).
     ``binomial`` (an addition): the largest count c whose one-sided exact
-    conditional test against ratio x the floor (``statistics.flip_ratio_p``) has
+    conditional test against ratio x the floor (``answers.flip_ratio_p``) has
     p >= alpha, and at least the minimum allowance. The p-value falls as c rises
     with the floor fixed, so every count up to the allowance passes.
     """
@@ -147,7 +147,7 @@ def flip_margin_se(flips: int, floor_flips: int, questions: int, ratio: float) -
     independent. Infinite when neither rate has any spread (e.g. both counts 0).
     """
     rate_c, rate_f = flips / questions, floor_flips / questions
-    se = math.sqrt(rate_c * (1 - rate_c) / questions + ratio**2 * rate_f * (1 - rate_f) / questions)
+    se = math.hypot(binomial_se(rate_c, questions), ratio * binomial_se(rate_f, questions))
     gap = ratio * rate_f - rate_c
     if se == 0:  # both rates at 0 or 1: no spread, only the sign of the gap is known
         return -math.inf if gap < 0 else math.inf

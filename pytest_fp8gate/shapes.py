@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import atomic_directory
-from .embedded import embedded_assets
+from .demo.embedded import embedded_assets
 
 _LLAMA_31_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",

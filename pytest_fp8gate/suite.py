@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 
 from .cases import cases_for
-from .fixtures import GateSession
-from .options import CONFIG_KEY
+from .session import CONFIG_KEY, GateSession
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -11,11 +11,11 @@ import pytest
 from pytest_fp8gate import capabilities
 from pytest_fp8gate.capabilities import UnsupportedEngine, detect, version_note, version_tuple
 from pytest_fp8gate.config import load_config
-from pytest_fp8gate.demo_run import demo_config_text
+from pytest_fp8gate.demo.run import demo_config_text
 from pytest_fp8gate.engine import Engine, IdScoringUnavailable
 from pytest_fp8gate.gate import Case, Gate
 from pytest_fp8gate.measure import Measurements, ModelResult, PassResult
-from pytest_fp8gate.statistics import TOPK_KL, LogprobRun
+from pytest_fp8gate.logprobs import TOPK_KL, LogprobRun
 
 # SamplingParams fields as each release declares them (the part that matters here).
 FIELDS_0_26 = ("max_tokens", "prompt_logprobs", "flat_logprobs", "detokenize")

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import pytest_fp8gate
+from pytest_fp8gate import roofline
 from pytest_fp8gate.cli import main
 
 
@@ -95,7 +93,7 @@ def test_compare_logprobs_table(capsys, article_dumps):
 
 def test_compare_logprobs_reads_npz_with_kl(capsys, tmp_path):
     from pytest_fp8gate.dumps import write_logprob_dump
-    from pytest_fp8gate.statistics import LogprobRun
+    from pytest_fp8gate.logprobs import LogprobRun
 
     top = np.array([[1, 2], [3, 4]])
     base = LogprobRun([-0.1, -0.2], top, np.log([[0.6, 0.3], [0.5, 0.4]]))
@@ -209,13 +207,10 @@ def test_samples_that_are_not_jsonl_are_one_line_error(capsys, tmp_path, article
 
 @pytest.fixture
 def fake_roofline(monkeypatch):
-    """Install a stand-in roofline module; the CLI must only wire arguments to it."""
+    """Install a stand-in roofline estimate; the CLI must only wire arguments to it."""
 
     def install(estimate_from_path):
-        fake = types.ModuleType("pytest_fp8gate.roofline")
-        fake.estimate_from_path = estimate_from_path
-        monkeypatch.setitem(sys.modules, "pytest_fp8gate.roofline", fake)
-        monkeypatch.setattr(pytest_fp8gate, "roofline", fake, raising=False)
+        monkeypatch.setattr(roofline, "estimate_from_path", estimate_from_path)
 
     return install
 

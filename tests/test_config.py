@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.config import (
+from pytest_fp8gate.config import ConfigError, load_config
+from pytest_fp8gate.spec import (
     WIKITEXT_2,
-    ConfigError,
     DatasetCorpus,
     FileCorpus,
     ModelSpec,
@@ -14,7 +14,6 @@ from pytest_fp8gate.config import (
     ProbabilityLimits,
     SpeedSpec,
     TaskLimits,
-    load_config,
 )
 
 REPO_THRESHOLDS = Path(__file__).parent.parent / "thresholds.toml"

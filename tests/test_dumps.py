@@ -15,7 +15,7 @@ from pytest_fp8gate.dumps import (
     write_lm_eval_samples,
     write_logprob_dump,
 )
-from pytest_fp8gate.statistics import LogprobRun
+from pytest_fp8gate.logprobs import LogprobRun
 
 
 def full_run(n: int = 6, k: int = 3, vocab: int = 10) -> LogprobRun:

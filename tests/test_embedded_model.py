@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pytest_fp8gate.cli import main as fp8gate_main
-from pytest_fp8gate.embedded import embedded_assets
+from pytest_fp8gate.demo.embedded import embedded_assets
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pytest_fp8gate.config import load_config  # noqa: E402
-from pytest_fp8gate.demo_run import DEMO_CONFIG  # noqa: E402
+from pytest_fp8gate.demo.run import DEMO_CONFIG  # noqa: E402
 from pytest_fp8gate.engine import Engine, IdScoringUnavailable  # noqa: E402
 
 ASSETS = embedded_assets()
@@ -103,7 +103,7 @@ def test_deterministic_scheduling_runs_the_engine_core_in_process() -> None:
     script = textwrap.dedent("""
         import multiprocessing
         from pytest_fp8gate.config import load_config
-        from pytest_fp8gate.demo_run import DEMO_CONFIG
+        from pytest_fp8gate.demo.run import DEMO_CONFIG
         from pytest_fp8gate.engine import Engine
         config = load_config(DEMO_CONFIG)
         assert config.deterministic_scheduling

@@ -131,7 +131,7 @@ def test_demo_creates_its_workdir_and_collects_the_demo_rules(tmp_path) -> None:
 
 def test_demo_on_cuda_judges_speed_with_cuda_graphs(tmp_path) -> None:
     from pytest_fp8gate.config import load_config
-    from pytest_fp8gate.demo_run import demo_config_text
+    from pytest_fp8gate.demo.run import demo_config_text
 
     path = tmp_path / "thresholds.toml"
     path.write_text(demo_config_text({}, cuda=True), encoding="utf-8")
@@ -142,8 +142,8 @@ def test_demo_on_cuda_judges_speed_with_cuda_graphs(tmp_path) -> None:
 
 def test_cpu_skips_a_candidate_it_cannot_run_with_the_engines_reason(pytester: pytest.Pytester, tmp_path) -> None:
     pytest.importorskip("torch")
-    from pytest_fp8gate.demo_run import CHECKPOINT_SCHEMES, demo_config_text
-    from pytest_fp8gate.embedded import embedded_assets
+    from pytest_fp8gate.demo.embedded import embedded_assets
+    from pytest_fp8gate.demo.run import CHECKPOINT_SCHEMES, demo_config_text
     from pytest_fp8gate.fp8_checkpoint import write_fp8_checkpoint
 
     # One sentence calibrates: the skip reads the checkpoint's layout, not its scales (the

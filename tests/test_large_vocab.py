@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.embedded import embedded_assets
-from pytest_fp8gate.statistics import TOPK_KL
+from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.logprobs import TOPK_KL
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")

@@ -122,7 +122,7 @@ def test_without_matplotlib_the_report_says_how_to_get_plots(data: ReportData, t
 JUNIT_TEST = """
 import pytest
 from pytest_fp8gate import rules
-from pytest_fp8gate.fixtures import VERDICT_KEY
+from pytest_fp8gate.session import VERDICT_KEY
 from pytest_fp8gate.gate import Case, Verdict
 
 # What GateSession.enforce does: the verdict goes on the item, then a failing rule fails the test.
@@ -164,7 +164,7 @@ def test_rule_numbers_land_in_junit_properties(pytester: pytest.Pytester, family
 SESSION_TEST = """
 from pytest_fp8gate import rules
 from pytest_fp8gate.config import load_config
-from pytest_fp8gate.fixtures import VERDICTS_KEY, GateSession
+from pytest_fp8gate.session import VERDICTS_KEY, GateSession
 from pytest_fp8gate.gate import Case, Verdict
 
 def test_rule(pytestconfig, tmp_path):

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from pytest_fp8gate.cli import main as fp8gate_main
-from pytest_fp8gate.embedded import embedded_assets
-from pytest_fp8gate.planting import MARKER, PLANT_KINDS, plant
+from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.demo.planting import MARKER, PLANT_KINDS, plant
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")

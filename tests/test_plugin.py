@@ -201,7 +201,8 @@ def test_missing_config_given_on_the_command_line(pytester: pytest.Pytester):
 
 
 STASH_PROBE = """
-from pytest_fp8gate.options import CONFIG_KEY, SETTINGS_KEY
+from pytest_fp8gate.options import SETTINGS_KEY
+from pytest_fp8gate.session import CONFIG_KEY
 
 def test_stash(request):
     gate = request.config.stash[CONFIG_KEY]
@@ -277,6 +278,14 @@ def test_real_probe_is_consistent():
     probe = hardware.probe_cuda()
     assert hardware.cuda_device_names() == list(probe.names)
     assert probe.source
+
+
+def test_version_is_the_installed_distribution_s() -> None:
+    import importlib.metadata
+
+    import pytest_fp8gate
+
+    assert pytest_fp8gate.__version__ == importlib.metadata.version("pytest-fp8gate")
 
 
 # pytest-xdist is not installed here: these conftests declare its options (-n is its alias for

@@ -14,7 +14,8 @@ from pytest_fp8gate.config import load_config
 from pytest_fp8gate.dumps import SAMPLES_RUN_ID, write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.gate import Case, Gate, GateError
 from pytest_fp8gate.measure import MeasurementError, Measurements, ModelResult, Needs, PassResult
-from pytest_fp8gate.statistics import ComparisonError, LogprobRun
+from pytest_fp8gate.errors import ComparisonError
+from pytest_fp8gate.logprobs import LogprobRun
 
 
 def _run(**overrides: np.ndarray) -> LogprobRun:

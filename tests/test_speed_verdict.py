@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pytest_fp8gate.config import load_config
-from pytest_fp8gate.demo_run import demo_config_text
+from pytest_fp8gate.demo.run import demo_config_text
 from pytest_fp8gate.engine import Latency
 from pytest_fp8gate.gate import Case, Gate
 from pytest_fp8gate.measure import ModelResult, PassResult

@@ -5,18 +5,16 @@ import math
 import numpy as np
 import pytest
 
-from pytest_fp8gate.statistics import (
-    PERCENTILES,
+from pytest_fp8gate.answers import (
     AnswerRecord,
-    ComparisonError,
-    LogprobRun,
     compare_answers,
-    compare_logprobs,
     detectable_flip_rate,
     flip_ratio_p,
     flip_rule_power,
     mcnemar_exact_p,
 )
+from pytest_fp8gate.errors import ComparisonError
+from pytest_fp8gate.logprobs import PERCENTILES, LogprobRun, compare_logprobs
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

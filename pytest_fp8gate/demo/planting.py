@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .atomic import atomic_write_bytes
+from ..atomic import atomic_write_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -1,4 +1,4 @@
-"""Session fixtures: the gate's lazily measured models, usable from any test."""
+"""The gate's session: its stash keys, the GateSession and the session fixtures (usable from any test)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 
 from . import lifecycle
-from .config import GateConfig
+from .spec import GateConfig
 from .gate import Case, Gate, GateError, Verdict
 from .measure import MeasurementError, Measurements, Needs
-from .options import CONFIG_KEY, SETTINGS_KEY
+from .options import SETTINGS_KEY
 
+CONFIG_KEY = pytest.StashKey[GateConfig | None]()  # the loaded thresholds, None without a file
 NEEDS_KEY = pytest.StashKey[dict[str, Needs]]()
 VERDICTS_KEY = pytest.StashKey[list[Verdict]]()
 VERDICT_KEY = pytest.StashKey[Verdict]()  # on each rule item, for the JSON report

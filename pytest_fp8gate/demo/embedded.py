@@ -12,7 +12,7 @@ from pathlib import Path
 __all__ = ["EmbeddedAssets", "TASK_NAME", "embedded_assets"]
 
 TASK_NAME = "fp8gate_tiny_arith"
-_ROOT = Path(__file__).resolve().parent / "assets"
+_ROOT = Path(__file__).resolve().parent.parent / "assets"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-DEMO_CONFIG = Path(__file__).resolve().parent / "demo" / "thresholds.toml"
+DEMO_CONFIG = Path(__file__).resolve().parent / "thresholds.toml"
 ASSETS_PREFIX = '"../assets/'
 CHECKPOINT_SCHEMES = ("fp8-dynamic", "fp8-static")
 # The CPU demo's engine lines and what a CUDA GPU runs instead: CUDA graphs (real decode
@@ -44,7 +44,7 @@ def demo_config_text(plants: dict[str, Path], checkpoints: dict[str, Path] | Non
 def demo_checkpoints(source: Path, directory: Path) -> dict[str, Path]:
     """The demo's pre-quantized candidates, written once per workdir (a complete one is reused)."""
     from .embedded import embedded_assets
-    from .fp8_checkpoint import MARKER, calibration_pieces, write_fp8_checkpoint
+    from ..fp8_checkpoint import MARKER, calibration_pieces, write_fp8_checkpoint
 
     calibration = calibration_pieces(embedded_assets().corpus.read_text(encoding="utf-8"))
     written = {}
@@ -64,7 +64,7 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda
     """
     import pytest
 
-    from .atomic import atomic_write_text
+    from ..atomic import atomic_write_text
     from .embedded import embedded_assets
     from .planting import plant
 

