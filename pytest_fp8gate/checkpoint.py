@@ -11,13 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .roofline import RooflineError, read_header, read_json, safetensors_files, text_config
+from .errors import CheckpointError
+from .errors import RooflineError
+from .roofline import read_header, read_json, safetensors_files, text_config
 
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth")
-
-
-class CheckpointError(Exception):
-    """A local checkpoint cannot be loaded; str() names the file and what is wrong."""
 
 
 def check_model_dir(model_dir: Path) -> dict[str, Any]:

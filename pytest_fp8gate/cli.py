@@ -4,8 +4,9 @@ Every subcommand is registered by one ``_add_<name>(subparsers)`` function liste
 in ``_COMMANDS``. An ``_add_`` function builds its parser (calling
 ``_output_options`` for ``--json``) and sets ``run`` to a function taking the
 parsed arguments and returning the exit status; ``emit`` prints its result.
-Raising CommandError (or DumpFormatError, or OSError for unreadable files)
-prints one ``fp8gate: error: ...`` line and exits with status 2.
+Raising any of the project's errors (``errors.Fp8GateError``, e.g. CommandError),
+or OSError for unreadable files, prints one ``fp8gate: error: ...`` line and
+exits with status 2 where the input is at fault (a usage error), else 1.
 
 ``--json`` output is strict JSON (RFC 8259 has no NaN or Infinity): a NaN
 becomes ``null``, an infinity the string ``"inf"`` or ``"-inf"``.
@@ -22,18 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from . import hardware, roofline
-from .dumps import DumpFormatError, dump_run_id, read_lm_eval_samples, read_logprob_dump, samples_run_id
+from .dumps import dump_run_id, read_lm_eval_samples, read_logprob_dump, samples_run_id
 from .answers import compare_answers
-from .errors import ComparisonError
+from .errors import CommandError, ComparisonError, Fp8GateError
 from .logprobs import compare_logprobs
 
 __all__ = ["CommandError", "build_parser", "emit", "main"]
 
-EXIT_ERROR = 2
-
-
-class CommandError(Exception):
-    """A user-facing failure; the message should start with the file it concerns."""
+EXIT_ERROR = 2  # argparse's status for a usage error
+EXIT_FAILURE = 1
 
 
 def _output_options(parser: argparse.ArgumentParser) -> None:
@@ -197,17 +195,14 @@ def _run_roofline(args: argparse.Namespace) -> int:
     if args.gpu and gpu is None:
         raise CommandError(f"--gpu auto: no CUDA device visible ({hardware.probe_cuda().source}); "
                            "name the GPU or give --bandwidth-gbps")
-    try:
-        estimate = roofline.estimate_from_path(
-            args.path,
-            quantization=args.quantization,
-            gpu=gpu,
-            bandwidth_gbps=args.bandwidth_gbps,
-            context_tokens=args.context,
-            kv_cache_dtype=args.kv_cache_dtype,
-        )
-    except ValueError as err:  # roofline's errors name the file at fault themselves
-        raise CommandError(str(err)) from err
+    estimate = roofline.estimate_from_path(
+        args.path,
+        quantization=args.quantization,
+        gpu=gpu,
+        bandwidth_gbps=args.bandwidth_gbps,
+        context_tokens=args.context,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     payload = estimate.as_dict()
     emit(args, payload, [(key, _plain(value)) for key, value in payload.items()])
     return 0
@@ -291,13 +286,10 @@ def _add_quantize(subparsers: Any) -> None:
 
 def _run_quantize(args: argparse.Namespace) -> int:
     from .demo.embedded import embedded_assets
-    from .fp8_checkpoint import QuantizeError, calibration_pieces, write_fp8_checkpoint
+    from .fp8_checkpoint import calibration_pieces, write_fp8_checkpoint
 
     pieces = calibration_pieces((args.calibration or embedded_assets().corpus).read_text(encoding="utf-8"))
-    try:
-        path = write_fp8_checkpoint(args.source, args.out_dir, args.scheme, calibration=pieces, device=args.device)
-    except QuantizeError as err:
-        raise CommandError(str(err)) from err
+    path = write_fp8_checkpoint(args.source, args.out_dir, args.scheme, calibration=pieces, device=args.device)
     print(path)
     return 0
 
@@ -353,12 +345,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (CommandError, DumpFormatError) as err:
-        message = str(err)
+    except Fp8GateError as err:
+        message, status = str(err), EXIT_ERROR if err.usage_error else EXIT_FAILURE
     except OSError as err:
         message = f"{err.filename}: {err.strerror}" if err.filename else str(err)
+        status = EXIT_ERROR
     print(f"fp8gate: error: {message}", file=sys.stderr)
-    return EXIT_ERROR
+    return status
 
 
 if __name__ == "__main__":

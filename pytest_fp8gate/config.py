@@ -15,7 +15,8 @@ from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Collection
 
-from . import checkpoint, gpus
+from . import checkpoint, gpus, roofline
+from .errors import CheckpointError, ConfigError, RooflineError
 from .rules import FLIP_RULES, SPEED_RULES
 from .spec import (
     WIKITEXT_2,
@@ -36,10 +37,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
-
-
-class ConfigError(Exception):
-    """thresholds.toml is missing or invalid; str() is one line."""
 
 
 def load_config(path: Path | str) -> GateConfig:
@@ -366,6 +363,7 @@ class _Parser:
             raise self.error("(top level)", "expected at least one check: [probabilities], [[tasks]] or [speed]")
         self.check_context_fits(config)
         self.check_top_k_fits(config)
+        self.check_speed_models(config)
         return config
 
     # models
@@ -390,7 +388,7 @@ class _Parser:
             return
         try:
             self.model_configs[model] = checkpoint.check_model_dir(Path(model))
-        except checkpoint.CheckpointError as err:
+        except CheckpointError as err:
             raise self.error(where, str(err)) from None
         if baseline is None or baseline.model not in self.model_configs:
             return
@@ -517,6 +515,21 @@ class _Parser:
         if config.probabilities and vocab is not None and config.probabilities.top_k > vocab:
             raise self.error("probabilities.top_k", f"{config.probabilities.top_k} exceeds the baseline's "
                                                     f"vocabulary of {vocab} tokens (config.json vocab_size)")
+
+    def check_speed_models(self, config: GateConfig) -> None:
+        """Fail now, not at the speed rule, when the roofline has no byte model for a model's settings."""
+        if config.speed is None:
+            return
+        specs = {"baseline": config.baseline, **_indexed("candidates", config.candidates)}
+        for where, spec in specs.items():
+            for key, check, value in (("quantization", roofline.online_scheme, spec.quantization),
+                                      ("engine.kv_cache_dtype", roofline.kv_cache_itemsize,
+                                       spec.engine.get("kv_cache_dtype"))):
+                try:
+                    check(value)
+                except RooflineError as err:
+                    raise self.error(f"{where}.{key}", f"{err}: the speed rule's roofline needs its bytes per "
+                                                       "token (remove [speed] to gate this model without it)") from None
 
     def check_context_fits(self, config: GateConfig) -> None:
         """Fail now, not after an engine start, when a check's sequences exceed max_model_len."""

@@ -6,16 +6,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .errors import CorpusError
 from .spec import DatasetCorpus, FileCorpus, ProbabilitySpec
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 UNKNOWN_VOCAB = 1 << 30  # a model whose config is not at hand is treated as large
-
-
-class CorpusError(Exception):
-    """The corpus cannot provide the chunks the thresholds file asks for."""
 
 
 def load_text(corpus: DatasetCorpus | FileCorpus) -> str:

@@ -23,6 +23,7 @@ import numpy as np
 
 from .atomic import atomic_open
 from .answers import AnswerRecord
+from .errors import DumpFormatError
 from .logprobs import LogprobRun
 
 __all__ = [
@@ -51,15 +52,6 @@ _SAMPLES_FORMAT = "lm-eval --log_samples JSONL rows"
 # field), so that files of two runs mixed in one artifacts directory are never paired.
 RUN_ID = "run_id"
 SAMPLES_RUN_ID = "fp8gate_run_id"
-
-
-class DumpFormatError(ValueError):
-    """A file is not in the format the gate expects."""
-
-    def __init__(self, path: PathLike, expected: str) -> None:
-        self.path = os.fspath(path)
-        self.expected = expected
-        super().__init__(f"{self.path}: {expected}")
 
 
 def write_logprob_dump(

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from . import capabilities, lifecycle
+from .errors import IdScoringUnavailable
 from .spec import ModelSpec
 from .logprobs import LogprobRun
 
@@ -53,10 +54,6 @@ class Latency:
             "median_prefill_s": self.median_prefill_s,
             "decode_tok_s": self.decode_tok_s,
         }
-
-
-class IdScoringUnavailable(Exception):
-    """The engine cannot score given token ids per prompt position."""
 
 
 @dataclass(frozen=True)

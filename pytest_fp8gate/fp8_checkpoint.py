@@ -22,15 +22,13 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .atomic import atomic_directory
-from .checkpoint import CheckpointError, check_model_dir
+from .checkpoint import check_model_dir
+from .errors import CheckpointError
+from .errors import QuantizeError
 from .roofline import safetensors_files
 
 E4M3_MAX = 448.0
 MARKER = ".fp8gate-quantized"  # written last: a directory without it is unfinished
-
-
-class QuantizeError(Exception):
-    """The source checkpoint or destination cannot be used; str() is one line."""
 
 
 @dataclass(frozen=True)

@@ -11,18 +11,14 @@ from typing import Any, Callable
 
 from . import roofline, rules
 from .spec import GateConfig, SpeedSpec, TaskLimits, TaskSpec
-from .dumps import DumpFormatError
+from .errors import DumpFormatError
 from .measure import PASS_DESCRIPTIONS, Measurements, ModelResult, PassResult, memory_bandwidth, weights_dir
 from .rules import RuleOutcome
 from .answers import AnswerComparison, AnswerRecord, compare_answers
-from .errors import ComparisonError
+from .errors import ComparisonError, GateError, RooflineError
 from .logprobs import TOPK_KL, LogprobComparison, compare_logprobs
 
 FLIP_EXAMPLES = 3
-
-
-class GateError(Exception):
-    """A rule cannot be evaluated as configured (the test fails with this message)."""
 
 
 @dataclass(frozen=True)
@@ -292,7 +288,7 @@ def _roofline(model: ModelResult, bandwidth_gbps: float, context_tokens: int) ->
             bandwidth_gbps=bandwidth_gbps * parallel, context_tokens=context_tokens,
             kv_cache_dtype=model.spec.engine.get("kv_cache_dtype"),
         )
-    except roofline.RooflineError as err:
+    except RooflineError as err:
         raise GateError(f"speed: cannot compute the roofline of {model.spec.name}: {err}") from None
 
 

@@ -26,9 +26,10 @@ from . import gpus, hardware, preflight, provenance
 from .atomic import atomic_write_text
 from .spec import GateConfig, ModelSpec, SpeedSpec, TaskSpec
 from .dumps import RUN_ID, read_lm_eval_samples, write_logprob_dump
-from .engine import FULL_VOCAB_LIMIT, Engine, IdScoringUnavailable, Latency
+from .engine import FULL_VOCAB_LIMIT, Engine, Latency
+from .errors import IdScoringUnavailable
 from .answers import AnswerRecord
-from .errors import ComparisonError
+from .errors import Fp8GateError, MeasurementError
 from .logprobs import LogprobRun
 
 if TYPE_CHECKING:
@@ -47,10 +48,6 @@ PASS_DESCRIPTIONS = {
     "vLLM's prefix cache where it is on (the default), as when lm-eval is re-run against a live server",
     FP16_PASS: "baseline weights run in float16 in a second engine (BF16 vs FP16, two formats nobody calls lossy)",
 }
-
-
-class MeasurementError(Exception):
-    """A model's measurement failed (now or earlier in the session); str() is one line naming the model."""
 
 
 @dataclass(frozen=True)
@@ -183,8 +180,8 @@ class Measurements:
             raise MeasurementError(f"{self._failures[name]} (earlier in this session; not retried)")
         try:
             measure()
-        except (ComparisonError, corpus_mod.CorpusError, MeasurementError) as err:
-            # The corpus or the engine's output failed a sanity check: the message says it all.
+        except Fp8GateError as err:
+            # One of the gate's own checks failed (the corpus, the engine's output): the message says it all.
             self._failures[name] = MeasurementError(f"measuring {name}: {err}")
             raise self._failures[name] from None
         except Exception as err:

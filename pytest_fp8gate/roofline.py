@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import gpus
+from .errors import RooflineError
 
 # vLLM's online quantization schemes that turn 16-bit linear weights into FP8.
 ONLINE_FP8 = frozenset({"fp8", "fp8_per_tensor", "fp8_per_channel", "fp8_per_block"})
@@ -31,10 +32,6 @@ _SAFETENSORS_BYTES = {
 _TORCH_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
 _EMBEDDING_MODULES = frozenset({"embed_tokens", "wte", "word_embeddings"})
 _MAX_HEADER = 100_000_000  # the safetensors format's own cap on header size
-
-
-class RooflineError(ValueError):
-    """The model files or arguments do not allow an estimate."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +113,7 @@ def estimate_from_path(
     path = Path(path).expanduser()
     config_path = path / "config.json" if path.is_dir() else path
     cfg = text_config(read_json(config_path))
-    scheme = _online_scheme(quantization)
+    scheme = online_scheme(quantization)
     shards = safetensors_files(path) if path.is_dir() else []
     if shards:
         tensors, source = _tensors_from_safetensors(shards), "safetensors"
@@ -176,7 +173,8 @@ def text_config(cfg: dict) -> dict:
     return cfg.get("text_config") or cfg
 
 
-def _online_scheme(quantization: str | None) -> str | None:
+def online_scheme(quantization: str | None) -> str | None:
+    """The online FP8 scheme named by a vLLM ``quantization``; RooflineError for one with no byte model."""
     if not quantization:
         return None
     if quantization not in ONLINE_FP8:
@@ -277,17 +275,23 @@ def _checkpoint_fp8_scheme(cfg: dict, config_path: Path) -> str | None:
     )
 
 
+def kv_cache_itemsize(kv_cache_dtype: str | None) -> int | None:
+    """Bytes per stored KV element for a vLLM ``kv_cache_dtype``; None: the model's own dtype."""
+    if kv_cache_dtype in (None, "", "auto"):
+        return None
+    assert kv_cache_dtype is not None
+    if kv_cache_dtype.startswith("fp8"):
+        return 1
+    if kv_cache_dtype in _TORCH_BYTES:
+        return _TORCH_BYTES[kv_cache_dtype]
+    raise RooflineError(f"unsupported kv_cache_dtype {kv_cache_dtype!r}; expected auto, fp8*, "
+                        f"or one of {', '.join(sorted(_TORCH_BYTES))}")
+
+
 def _kv_bytes_per_context_token(cfg: dict, config_path: Path, kv_cache_dtype: str | None) -> int:
     layers = _require(cfg, "num_hidden_layers", config_path)
     _, kv_heads, head_dim = _attention_shape(cfg, config_path)
-    if kv_cache_dtype in (None, "", "auto"):
-        itemsize = _model_itemsize(cfg, config_path)
-    elif kv_cache_dtype.startswith("fp8"):
-        itemsize = 1
-    elif kv_cache_dtype in _TORCH_BYTES:
-        itemsize = _TORCH_BYTES[kv_cache_dtype]
-    else:
-        raise RooflineError(f"unsupported kv_cache_dtype {kv_cache_dtype!r}")
+    itemsize = kv_cache_itemsize(kv_cache_dtype) or _model_itemsize(cfg, config_path)
     return 2 * layers * kv_heads * head_dim * itemsize  # keys and values
 
 

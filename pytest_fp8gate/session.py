@@ -8,8 +8,9 @@ import pytest
 
 from . import lifecycle
 from .spec import GateConfig
-from .gate import Case, Gate, GateError, Verdict
-from .measure import MeasurementError, Measurements, Needs
+from .errors import Fp8GateError
+from .gate import Case, Gate, Verdict
+from .measure import Measurements, Needs
 from .options import SETTINGS_KEY
 
 CONFIG_KEY = pytest.StashKey[GateConfig | None]()  # the loaded thresholds, None without a file
@@ -53,7 +54,7 @@ class GateSession:
         """Evaluate a rule case; record it; fail the test with its explanation."""
         try:
             verdict = self.evaluate(case)
-        except (GateError, MeasurementError) as err:
+        except Fp8GateError as err:  # every error of the gate's own says what is wrong in one line
             reason = str(err)
         else:
             reason = None

@@ -11,6 +11,7 @@ import pytest
 
 from pytest_fp8gate import roofline
 from pytest_fp8gate.cli import main
+from pytest_fp8gate.errors import RooflineError
 
 
 def article_logprob_summary(base_path: Path, cand_path: Path) -> dict[str, float]:
@@ -255,7 +256,7 @@ def test_roofline_gpu_auto_detects_the_gpu_as_the_gate_does(capsys, llama_config
 
 def test_roofline_errors_are_one_line(capsys, fake_roofline):
     def estimate_from_path(path, **kwargs):
-        raise ValueError(f"{path}: not found (expected a model directory or its config.json)")
+        raise RooflineError(f"{path}: not found (expected a model directory or its config.json)")
 
     fake_roofline(estimate_from_path)
     err = one_line_error(capsys, "roofline", "model_dir")

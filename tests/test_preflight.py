@@ -243,3 +243,20 @@ def test_a_rule_whose_model_is_not_cached_offline_fails_with_one_line(pytester: 
     failure_text = result.stdout.str().split("short test summary info")[0]
     assert failure_text.count(message) == 1
     assert "During handling" not in result.stdout.str() and "Traceback" not in result.stdout.str()
+
+
+def test_a_quantization_the_speed_rule_cannot_model_is_refused_at_load(gate_dir: Path) -> None:
+    assert _load(gate_dir, quantization="awq") is None  # no [speed]: nothing needs its bytes
+    assert _load(gate_dir, quantization="awq", engine="[speed]") == (
+        "candidates[0].quantization: quantization 'awq' has no byte model here; expected one of "
+        "['fp8', 'fp8_per_block', 'fp8_per_channel', 'fp8_per_tensor']: the speed rule's roofline needs its "
+        "bytes per token (remove [speed] to gate this model without it)")
+
+
+def test_a_kv_cache_dtype_the_speed_rule_cannot_model_is_refused_at_load(gate_dir: Path) -> None:
+    engine = '[candidates.engine]\nkv_cache_dtype = "nvfp4"\n'
+    assert _load(gate_dir, engine=engine) is None
+    assert _load(gate_dir, engine=engine + "[speed]") == (
+        "candidates[0].engine.kv_cache_dtype: unsupported kv_cache_dtype 'nvfp4'; expected auto, fp8*, or one of "
+        "bfloat16, float, float16, float32, half: the speed rule's roofline needs its bytes per token "
+        "(remove [speed] to gate this model without it)")

@@ -85,3 +85,13 @@ def test_decode_context_is_the_mean_over_the_decoded_steps():
     # Tokens 2..n are decoded; token j reads the KV cache of input_len + j - 1 tokens.
     assert decode_context_tokens(1000, 256) == round(sum(1000 + j - 1 for j in range(2, 257)) / 255)
     assert decode_context_tokens(0, 1) == 0
+
+
+def test_the_candidate_s_kv_cache_dtype_reaches_its_roofline(gate_for):
+    gate = gate_for(617.0, 600.0)
+    candidate = gate.measurements.candidate("fp8-per-channel")
+    candidate.spec = dataclasses.replace(candidate.spec, engine={**candidate.spec.engine, "kv_cache_dtype": "fp8"})
+    details = gate.speed(Case("speed", "fp8-per-channel")).details
+    # BF16 keys and values take 2 bytes an element, an FP8 KV cache 1.
+    assert details["baseline_roofline"]["kv_bytes_per_context_token"] == (
+        2 * details["roofline"]["kv_bytes_per_context_token"])
