@@ -29,7 +29,7 @@ from pytest_fp8gate.spec import ModelSpec, ProbabilitySpec
 from pytest_fp8gate.corpus import chunk_corpus
 from pytest_fp8gate.demo.run import DEMO_CONFIG
 from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.engine import Engine
+from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine
 from pytest_fp8gate.demo.planting import PLANT_KINDS, plant
 from pytest_fp8gate.logprobs import compare_logprobs
 
@@ -56,12 +56,10 @@ def _normalize(answer: str) -> str:
     return answer.replace(",", "").replace("$", "").strip().removesuffix(".")
 
 
-def strict_answers(engine: Engine, prompts: list[str], batch_size: int | None = None,
-                   reverse: bool = False) -> list[str | None]:
+def strict_answers(engine: Engine, prompts: list[str], layout: BatchLayout = ALL_AT_ONCE) -> list[str | None]:
     stops = ["Question:", "</s>"]
     generations = engine.generate_greedy([engine.encode(p, add_bos=True) for p in prompts],
-                                         [128] * len(prompts), [stops] * len(prompts),
-                                         batch_size=batch_size, reverse=reverse)
+                                         [128] * len(prompts), [stops] * len(prompts), layout)
     answers = []
     for generation in generations:
         match = STRICT.search(generation.text)
@@ -69,8 +67,8 @@ def strict_answers(engine: Engine, prompts: list[str], batch_size: int | None = 
     return answers
 
 
-def measure(spec: ModelSpec, probabilities: ProbabilitySpec, prompts: list[str], in_process: bool) -> dict[str, Any]:
-    engine = Engine(spec, max_logprobs=-1, in_process=in_process)
+def measure(spec: ModelSpec, probabilities: ProbabilitySpec, prompts: list[str]) -> dict[str, Any]:
+    engine = Engine(spec, max_logprobs=-1)
     try:
         pieces = chunk_corpus(engine, probabilities, DEMO_CONFIG)
         return {"run": engine.prompt_logprobs(pieces, top_k=probabilities.top_k, full_vocab=True),
@@ -104,6 +102,7 @@ def main() -> None:
     args = parser.parse_args()
 
     config = load_config(DEMO_CONFIG)  # the demo's engine settings and corpus for the embedded model
+    Engine.prepare_process(config.deterministic_scheduling)
     baseline = config.baseline
     probabilities = replace(config.probabilities, chunk_tokens=CHUNK_TOKENS, chunks=args.chunks or sys.maxsize)
     prompts, golds = task_prompts(args.questions)
@@ -113,10 +112,10 @@ def main() -> None:
             replace(baseline, name=kind, model=str(plant(kind, Path(baseline.model), plants_dir / kind)))
             for kind in PLANT_KINDS
         ]
-        base = measure(baseline, probabilities, prompts, config.deterministic_scheduling)
+        base = measure(baseline, probabilities, prompts)
         figures = {"bf16": summarize(base, base, golds)}
         for spec in candidates:
-            measured = measure(spec, probabilities, prompts, config.deterministic_scheduling)
+            measured = measure(spec, probabilities, prompts)
             figures[spec.name] = summarize(base, measured, golds)
 
     if args.json:

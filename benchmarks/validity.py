@@ -43,16 +43,16 @@ from pytest_fp8gate.config import load_config
 from pytest_fp8gate.spec import GateConfig, ModelSpec
 from pytest_fp8gate.corpus import chunk_corpus
 from pytest_fp8gate.demo.run import DEMO_CONFIG
-from pytest_fp8gate.engine import Engine
+from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine
 from pytest_fp8gate.gate import PROBABILITY_METRICS
-from pytest_fp8gate.measure import NOISE_BATCH_SIZE
+from pytest_fp8gate.measure import BATCH_ORDER
 from pytest_fp8gate.demo.planting import Recipe, fp8_round_trip, write_transformed
 from pytest_fp8gate.answers import detectable_flip_rate
 from pytest_fp8gate.logprobs import LogprobComparison, LogprobRun, compare_logprobs
 
 STRETCHES = (5e3, 1e4, 2e4, 3e4)  # 2e4 is the shipped `mild` plant
 NOISE_SIZES = (0.04, 0.08, 0.12, 0.18)  # Gaussian sigma / matrix RMS
-ORDERS = {"order-forward-b5": {"batch_size": 5}, "order-reverse": {"reverse": True}}
+ORDERS = {"order-forward-b5": BatchLayout(5), "order-reverse": BatchLayout(reverse=True)}
 FLOOR_FACTORS = (2.0, 5.0, 10.0, 20.0, 50.0)  # candidate floor_ratio values for KL and same-top
 RULE_ORDER = ("same_top", "rms_dp", "ppl_ratio", "mean_kl", "accuracy", "flips", "flips_binomial")
 
@@ -111,18 +111,18 @@ def stretched(stretch: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda weight: fp8_round_trip(recipe, weight)
 
 
-def run_engine(spec: ModelSpec, config: GateConfig, prompts: list[str], orders: dict[str, dict],
+def run_engine(spec: ModelSpec, config: GateConfig, prompts: list[str], orders: dict[str, BatchLayout],
                dtype: str | None = None) -> dict[str, Measured]:
     """One engine start: the main pass and, in the same engine, one pass per request order."""
     assert config.probabilities is not None
-    engine = Engine(spec, max_logprobs=-1, dtype=dtype, in_process=config.deterministic_scheduling)
+    engine = Engine(spec, max_logprobs=-1, dtype=dtype)
     try:
         pieces = chunk_corpus(engine, config.probabilities, config.path)
-        passes = {"main": {}, **orders}
+        passes = {"main": ALL_AT_ONCE, **orders}
         return {label: Measured(engine.prompt_logprobs(pieces, top_k=config.probabilities.top_k, full_vocab=True,
-                                                        **order),
-                                strict_answers(engine, prompts, **order))
-                for label, order in passes.items()}
+                                                        layout=layout),
+                                strict_answers(engine, prompts, layout))
+                for label, layout in passes.items()}
     finally:
         engine.shutdown()
 
@@ -296,13 +296,14 @@ def main() -> None:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
     config = load_config(DEMO_CONFIG)
+    Engine.prepare_process(config.deterministic_scheduling)
     assert config.probabilities is not None
     if args.chunks:
         config = replace(config, probabilities=replace(config.probabilities, chunks=args.chunks))
     questions = args.questions or config.tasks[0].limit
     prompts, golds = task_prompts(questions)
     baseline = config.baseline
-    orders = {"batch-order": {"batch_size": NOISE_BATCH_SIZE, "reverse": True}, **ORDERS}
+    orders = {"batch-order": BATCH_ORDER, **ORDERS}
     base_passes = run_engine(baseline, config, prompts, orders)
     base = base_passes["main"]
     floors = [base_passes["batch-order"], run_engine(baseline, config, prompts, {}, dtype="float16")["main"]]

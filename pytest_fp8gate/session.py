@@ -8,6 +8,7 @@ import pytest
 
 from . import lifecycle
 from .spec import GateConfig
+from .engine import Engine
 from .errors import Fp8GateError
 from .gate import Case, Gate, Verdict
 from .measure import Measurements, Needs
@@ -18,6 +19,8 @@ NEEDS_KEY = pytest.StashKey[dict[str, Needs]]()
 VERDICTS_KEY = pytest.StashKey[list[Verdict]]()
 VERDICT_KEY = pytest.StashKey[Verdict]()  # on each rule item, for the JSON report
 SESSION_KEY = pytest.StashKey["GateSession"]()  # for the report written at session end
+# What starts the engines: vLLM's, unless a plugin stands another in (the tests' fake engine).
+ENGINE_CLASS_KEY = pytest.StashKey[type[Engine]]()
 
 
 class GateSession:
@@ -43,7 +46,8 @@ class GateSession:
         self.config = config
         self.artifacts = artifacts
         lifecycle.watch(artifacts)
-        self.measurements = Measurements(gate_config, artifacts, config.stash.get(NEEDS_KEY, {}), announce, cache)
+        self.measurements = Measurements(gate_config, artifacts, config.stash.get(NEEDS_KEY, {}), announce, cache,
+                                         config.stash.get(ENGINE_CLASS_KEY, Engine))
         self.gate = Gate(gate_config, self.measurements)
         config.stash[SESSION_KEY] = self
 

@@ -107,7 +107,8 @@ def test_deterministic_scheduling_runs_the_engine_core_in_process() -> None:
         from pytest_fp8gate.engine import Engine
         config = load_config(DEMO_CONFIG)
         assert config.deterministic_scheduling
-        engine = Engine(config.baseline, max_logprobs=1, in_process=config.deterministic_scheduling)
+        Engine.prepare_process(config.deterministic_scheduling)
+        engine = Engine(config.baseline, max_logprobs=1)
         print("client", type(engine.llm.llm_engine.engine_core).__name__)
         print("children", len(multiprocessing.active_children()))
         print("kv_cache_tokens", engine.kv_cache_tokens())
@@ -163,6 +164,7 @@ def test_multiple_choice_task_scores_through_the_gates_adapter(engine, tokenizer
     from lm_eval.tasks import TaskManager
 
     from pytest_fp8gate.lm_adapter import EngineLM
+    from pytest_fp8gate.measure import BATCH_ORDER
 
     lm = EngineLM(engine)
     results = simple_evaluate(
@@ -171,6 +173,12 @@ def test_multiple_choice_task_scores_through_the_gates_adapter(engine, tokenizer
         log_samples=False,
     )
     assert results["results"]["fp8gate_tiny_arith_choice"]["acc,none"] >= 0.9  # chance is 0.25
+
+    # The batch-order pass's layout reaches scoring: the same results, in request order.
+    requests = [Instance("loglikelihood", {}, (f"Question: Ava has {n} pens.\nAnswer:", f" {n}"), n)
+                for n in range(9)]
+    reordered = EngineLM(engine, layout=BATCH_ORDER).loglikelihood(requests)
+    assert [lp for lp, _ in reordered] == pytest.approx([lp for lp, _ in lm.loglikelihood(requests)], abs=1e-3)
 
     # One request against transformers: the continuation's summed log-prob and greedy flag.
     context, continuation = "Question: Ava has 12 pens.\nAnswer: 12 + 3 = 15.\n####", " 15"

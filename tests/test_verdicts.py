@@ -1,0 +1,123 @@
+"""Every rule's verdict and the explanation a failing test prints, measured through the fake engine
+(lm-eval runs the echo task on it): the "good" candidate passes each rule, the "bad" one fails it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fake_engine import MODELS, fake_engine_class, write_gate
+
+from pytest_fp8gate import cases, hardware, suite
+from pytest_fp8gate.config import load_config
+from pytest_fp8gate.gate import Gate, Verdict
+from pytest_fp8gate.measure import Measurements
+
+RULE_TESTS = sorted(name for name in vars(suite) if name.startswith("test_"))
+PROBABILITY_ROWS = ["reference", "noise floor", "candidate", "candidate SE (fails beyond 1 SE)", "threshold", "margin"]
+# suite test -> the rows of its table, and how its notes start
+EXPLAINED = {
+    "test_accuracy_within_se": (
+        ["baseline accuracy", "standard error", "questions", "candidate accuracy", "threshold", "margin"],
+        ["SE = sqrt(p(1-p)/n) with p the baseline accuracy; k = 1, one-sided (a drop fails)",
+         "McNemar exact p on the flips: ", "noise pass batch-order: accuracy ", "noise pass fp16: accuracy "]),
+    "test_flips_within_noise_floor": (
+        ["questions", "noise floor flips", "2 x noise floor", "minimum allowance", "candidate flips",
+         "p, exact test of flips <= 2 x floor (addition)", "margin in SE of the rates (addition)",
+         "flip rate caught with 80% power (addition)", "threshold", "margin"],
+        ["candidate flips: ", "judged by the article's rule: at most max(2 x ", "noise pass batch-order: ",
+         "noise pass fp16: "]),
+    "test_same_top_near_baseline": (PROBABILITY_ROWS, ["noise pass batch-order: same_top = ",
+                                                       "noise pass fp16: same_top = ", "judged like accuracy: "]),
+    "test_rms_dp_within_limit": (PROBABILITY_ROWS, ["noise pass batch-order: rms_dp = ",
+                                                    "noise pass fp16: rms_dp = ", "judged like accuracy: "]),
+    "test_ppl_ratio_within_limit": (PROBABILITY_ROWS, ["noise pass batch-order: ppl_ratio = ",
+                                                       "noise pass fp16: ppl_ratio = ", "judged like accuracy: "]),
+    "test_kl_within_limit": (PROBABILITY_ROWS, ["noise pass batch-order: mean_kl = ", "noise pass fp16: mean_kl = ",
+                                                "KL(base || candidate) is exact", "judged like accuracy: "]),
+    "test_decode_speed_near_ceiling": (
+        ["baseline tok/s", "baseline ceiling tok/s", "baseline share of ceiling", "candidate tok/s",
+         "candidate ceiling tok/s", "candidate share of ceiling", "measured speedup", "speedup the bytes allow",
+         "overhead-bound below share", "threshold", "margin"],
+        ["auto: 100 GB/s per GPU; bytes read per decoded token: candidate ", "the candidate is overhead-bound: ",
+         "decode excludes prefill: median ", "KV-cache capacity: candidate 4096 tokens, baseline 4096 tokens"]),
+}
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gate")
+
+
+@pytest.fixture(scope="module")
+def verdicts(directory: Path) -> dict[tuple[str, str], Verdict]:
+    """(suite test, candidate) -> verdict, every rule of write_gate's thresholds measured once."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hardware, "probe_cuda", lambda: hardware.CudaProbe((), "faked by the test"))
+        config = load_config(write_gate(directory))
+        params = {name: [param.values[0] for param in cases.cases_for(name, config)] for name in RULE_TESTS}
+        needs = cases.needs_of([case for found in params.values() for case in found])
+        gate = Gate(config, Measurements(config, directory / "artifacts", needs, lambda line: None, None,
+                                         fake_engine_class(MODELS)))
+        return {(name, case.candidate): gate.evaluate(case) for name, found in params.items() for case in found}
+
+
+def test_every_rule_is_judged_for_every_candidate(verdicts: dict[tuple[str, str], Verdict]):
+    assert set(EXPLAINED) == set(RULE_TESTS)
+    assert set(verdicts) == {(name, candidate) for name in RULE_TESTS for candidate in MODELS}
+
+
+@pytest.mark.parametrize("test_name", RULE_TESTS)
+@pytest.mark.parametrize("candidate, state", [("good", "passed"), ("bad", "FAILED")])
+def test_each_verdict_explains_itself_side_by_side(verdicts: dict[tuple[str, str], Verdict], test_name: str,
+                                                   candidate: str, state: str):
+    verdict = verdicts[test_name, candidate]
+    assert verdict.passed is (state == "passed")
+    rows, notes = EXPLAINED[test_name]
+    lines = verdict.explain().splitlines()
+    on_task = f" on {verdict.case.task}" if verdict.case.task else ""
+    assert lines[0] == f"{verdict.outcome.rule} {state} for candidate {candidate}{on_task}"
+    # One aligned row per figure: label, then the value from the rule's outcome.
+    width = max(map(len, rows))
+    assert lines[1:1 + len(rows)] == [f"  {label:<{width}}  {value:.6g}" for label, value in verdict.outcome.rows]
+    assert [label for label, _ in verdict.outcome.rows] == rows
+    assert (dict(verdict.outcome.rows)["margin"] >= 0) is verdict.passed
+    written = [line.removeprefix("  note: ") for line in lines if line.startswith("  note: ")]
+    for start in notes:
+        assert any(note.startswith(start) for note in written), (start, written)
+
+
+def test_the_flip_rule_shows_the_first_flipped_questions(verdicts: dict[tuple[str, str], Verdict]):
+    text = verdicts["test_flips_within_noise_floor", "bad"].explain()
+    listed = text[text.index("  first 3 flipped questions:\n"):].splitlines()[1:]
+    assert len(listed) == 9  # three questions, three lines each
+    for doc, baseline, candidate in zip(listed[::3], listed[1::3], listed[2::3]):
+        assert doc.startswith("    doc ") and "(right to wrong), target '" in doc
+        target = doc.rsplit("target ", 1)[1]
+        assert baseline == f"      baseline : {target}"
+        assert candidate == f"      candidate: '{int(target.strip(chr(39))) + 1}'"  # the fake's wrong answer
+    assert "flipped questions" not in verdicts["test_flips_within_noise_floor", "good"].explain()
+
+
+def test_the_accuracy_verdict_in_full(verdicts: dict[tuple[str, str], Verdict]):
+    # Answers are fixed by a checksum of each question, not by random draws: the exact text.
+    assert verdicts["test_accuracy_within_se", "bad"].explain().startswith("""\
+accuracy_within_se FAILED for candidate bad on echo
+  baseline accuracy   0.825
+  standard error      0.0600781
+  questions           40
+  candidate accuracy  0.6
+  threshold           0.764922
+  margin              -0.164922
+  note: SE = sqrt(p(1-p)/n) with p the baseline accuracy; k = 1, one-sided (a drop fails)
+  note: McNemar exact p on the flips: 0.003906 (an addition to the article)
+  note: noise pass batch-order: accuracy 0.8250
+  note: noise pass fp16: accuracy 0.8000""")
+
+
+def test_the_artifacts_of_the_fake_run_are_the_gates(verdicts: dict[tuple[str, str], Verdict], directory: Path):
+    # The same files a vLLM run writes, for fp8gate flips / compare-logprobs.
+    artifacts = directory / "artifacts"
+    for name in ("bf16/main", "bf16/batch-order", "bf16/fp16", "good/main", "bad/main"):
+        assert (artifacts / name / "logprobs.npz").is_file() and (artifacts / name / "samples_echo.jsonl").is_file()
+    assert (artifacts / "bad" / "engine.json").is_file() and (artifacts / "bad" / "provenance.json").is_file()
