@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeGuard
 
 import pytest
 
@@ -33,7 +34,7 @@ class RuleTally:
 TALLY_KEY = pytest.StashKey[RuleTally]()
 
 
-def is_rule(item: pytest.Item) -> bool:
+def is_rule(item: pytest.Item) -> TypeGuard[pytest.Function]:
     return isinstance(item, pytest.Function) and isinstance(item.parent, ThresholdsFile)
 
 

@@ -290,7 +290,8 @@ class Measurements:
 
     def _measure_baseline_engines(self) -> BaselineRecord:
         spec, needs = self.config.baseline, self._all_needs()
-        passes = self.config.noise.passes
+        # Only the probability and answer rules read a noise floor: a speed-only run starts no noise engine.
+        passes = self.config.noise.passes if needs.probabilities or needs.tasks else ()
         problem = preflight.hub_problem(self.config, self.needs)
         if problem:
             raise MeasurementError(problem)

@@ -48,11 +48,6 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _skip_gpu_items_without_gpu(config, items)
-    # Only the selected, runnable rule cases decide what each engine measures.
-    cases = [item.callspec.params["case"] for item in items
-             if isinstance(item, pytest.Function) and isinstance(item.parent, ThresholdsFile)
-             and not item.get_closest_marker("skip")]
-    config.stash[NEEDS_KEY] = needs_of(cases)
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:
@@ -64,6 +59,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gate = session.config.stash.get(CONFIG_KEY, None)
     if gate is not None:
         gating.check_selection(session, session.config.stash[SETTINGS_KEY], gate)
+        # What each engine measures follows the rule tests left after -k/-m deselection that will run.
+        session.config.stash[NEEDS_KEY] = needs_of([item.callspec.params["case"] for item in session.items
+                                                    if gating.is_rule(item) and not item.get_closest_marker("skip")])
 
 
 def pytest_runtest_call(item: pytest.Item) -> None:
