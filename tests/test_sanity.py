@@ -233,12 +233,17 @@ def test_an_uncached_hub_model_offline_fails_before_any_engine(tmp_path: Path, m
         "Face cache and HF_HUB_OFFLINE is set; download it first (hf download org/not-downloaded) or unset HF_HUB_OFFLINE")
 
 
-@pytest.mark.parametrize("rule, name", [("ratio", "flips_within_noise_floor"), ("binomial", "flips_binomial_test")])
-def test_the_flip_rule_named_in_the_limits_judges_and_explains_itself(tmp_path: Path, rule: str, name: str) -> None:
+@pytest.mark.parametrize("rule, key", [("ratio", "flips_ratio = 2"), ("binomial", "flip_alpha = 0.05")])
+def test_the_flip_rule_named_in_the_limits_judges_and_explains_itself(tmp_path: Path, rule: str, key: str) -> None:
     # The candidate gets all 20 of the baseline's right answers wrong against a floor of 0 flips.
     gate = _gate(tmp_path, [1] * 20 + [0] * 20, f'[tasks.limits]\nflip_rule = "{rule}"')
     verdict = gate.evaluate(Case("flips", "fp8", "arith"))
-    assert not verdict.passed and verdict.outcome.rule == name
+    assert not verdict.passed and verdict.outcome.rule == "flips"
+    # It ends with where to act: the limit's key, and the command that recomputes the flips from the samples.
+    assert verdict.explain().splitlines()[-2:] == [
+        f"  limit: {tmp_path / 'thresholds.toml'} tasks[0].limits.{key}",
+        f"  recompute: fp8gate flips {tmp_path / 'base.jsonl'} {tmp_path / 'cand.jsonl'} "
+        "--filter strict-match --metric exact_match"]
     text = verdict.explain()
     assert "candidate flips" in text and "margin in SE of the rates (addition)" in text
     assert "Resolution at 40 questions and a floor rate of 0" in text
