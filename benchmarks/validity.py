@@ -39,15 +39,15 @@ import torch
 from plant_kl import strict_answers, task_prompts
 
 from pytest_fp8gate import rules
+from pytest_fp8gate.answers import detectable_flip_rate
 from pytest_fp8gate.config import load_config
-from pytest_fp8gate.spec import GateConfig, ModelSpec
 from pytest_fp8gate.corpus import chunk_corpus
+from pytest_fp8gate.demo.planting import Recipe, fp8_round_trip, write_transformed
 from pytest_fp8gate.demo.run import DEMO_CONFIG
 from pytest_fp8gate.engine import Engine
-from pytest_fp8gate.measure import NOISE_BATCH_SIZE
-from pytest_fp8gate.demo.planting import Recipe, fp8_round_trip, write_transformed
-from pytest_fp8gate.answers import detectable_flip_rate
 from pytest_fp8gate.logprobs import LogprobComparison, LogprobRun, compare_logprobs
+from pytest_fp8gate.measure import NOISE_BATCH_SIZE
+from pytest_fp8gate.spec import GateConfig, ModelSpec
 
 STRETCHES = (5e3, 1e4, 2e4, 3e4)  # 2e4 is the shipped `mild` plant
 NOISE_SIZES = (0.04, 0.08, 0.12, 0.18)  # Gaussian sigma / matrix RMS

@@ -19,8 +19,8 @@ import numpy as np
 
 from . import capabilities, lifecycle
 from .errors import IdScoringUnavailable
-from .spec import ModelSpec
 from .logprobs import LogprobRun
+from .spec import ModelSpec
 
 log = logging.getLogger("fp8gate")
 

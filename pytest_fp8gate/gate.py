@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from . import roofline, rules
-from .spec import GateConfig, SpeedSpec, TaskLimits, TaskSpec
-from .errors import DumpFormatError
+from .answers import AnswerComparison, AnswerRecord, compare_answers
+from .errors import ComparisonError, DumpFormatError, GateError, RooflineError
+from .logprobs import TOPK_KL, LogprobComparison, compare_logprobs
 from .measure import PASS_DESCRIPTIONS, Measurements, ModelResult, PassResult, memory_bandwidth, weights_dir
 from .options import display_path
 from .rules import RuleOutcome
-from .answers import AnswerComparison, AnswerRecord, compare_answers
-from .errors import ComparisonError, GateError, RooflineError
-from .logprobs import TOPK_KL, LogprobComparison, compare_logprobs
+from .spec import GateConfig, SpeedSpec, TaskLimits, TaskSpec
 
 FLIP_EXAMPLES = 3
 
@@ -288,14 +287,15 @@ class Gate:
                                      overhead_bound_below=speed.overhead_bound_below,
                                      min_ratio_overhead_bound=speed.min_ratio_overhead_bound)
         notes = [f"{gpu_name}: {bandwidth:g} GB/s per GPU; bytes read per decoded token: "
-                 + "; ".join(f"{name} {e.bytes_per_token / 1e9:.3f} GB over {e.bandwidth_gbps / bandwidth:g} GPU(s)"
+                 + "; ".join(f"{name} {e.bytes_per_token / 1e9:.3f} GB over {_gpus(e, bandwidth):g} GPU(s)"
                              for name, e in estimates.items())
                  + f" (weights, and the KV cache at the decode's mean context of {context} tokens: "
                  f"{speed.input_len} in, {speed.output_len} out)",
                  _speed_judgement(speed, cand, base_speed),
                  f"decode excludes prefill: median {result.latency.median_prefill_s * 1e3:.1f} ms prefill of "
                  f"{speed.input_len} tokens, batch {speed.batch_size}",
-                 f"KV-cache capacity: candidate {result.kv_cache_tokens} tokens, baseline {base.kv_cache_tokens} tokens"]
+                 f"KV-cache capacity: candidate {result.kv_cache_tokens} tokens, "
+                 f"baseline {base.kv_cache_tokens} tokens"]
         details = {"latency": result.latency.as_dict(), "roofline": estimates["candidate"].as_dict(),
                    "baseline_roofline": estimates["baseline"].as_dict(),
                    "kv_cache_tokens": result.kv_cache_tokens, "baseline_kv_cache_tokens": base.kv_cache_tokens,
@@ -351,6 +351,12 @@ def _roofline_command(weights: Path, arguments: dict[str, Any]) -> str:
     options = [word for key, value in arguments.items() if value is not None
                for word in (_ROOFLINE_OPTIONS[key], f"{value:g}" if isinstance(value, float) else value)]
     return fp8gate_command("roofline", weights, *options)
+
+
+def _gpus(estimate: roofline.RooflineEstimate, bandwidth_gbps: float) -> float:
+    """How many GPUs' bandwidth the estimate spans (tensor parallelism)."""
+    assert estimate.bandwidth_gbps is not None  # a bandwidth was always given
+    return estimate.bandwidth_gbps / bandwidth_gbps
 
 
 def _ceiling(estimate: roofline.RooflineEstimate) -> float:

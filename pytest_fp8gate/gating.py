@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from .collect import ThresholdsFile
-from .spec import GateConfig
 from .options import Settings, display_path
+from .spec import GateConfig
 
 ALLOW_NO_RULES = "--fp8gate-allow-no-rules"
 

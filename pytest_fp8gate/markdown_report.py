@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from . import plots
-from .spec import GateConfig, TaskSpec
+from .answers import AnswerComparison, FlippedAnswer, compare_answers
 from .dumps import read_lm_eval_generations
 from .gate import Case, Verdict, compare_logprobs_command, flips_command
 from .measure import PASS_DESCRIPTIONS, BaselineRecord, ModelResult
 from .options import display_path
-from .answers import AnswerComparison, FlippedAnswer, compare_answers
+from .spec import GateConfig, TaskSpec
 
 FLIPS_SHOWN = 20  # per candidate and task; the recompute command lists them all
 CONTEXT_WORDS = 6

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -10,6 +11,7 @@ from . import gating, hardware, lifecycle, options, report, session
 from .cases import needs_of
 from .collect import ThresholdsFile
 from .config import ConfigError, load_config
+from .gate import Case
 from .options import SETTINGS_KEY
 from .session import CONFIG_KEY, NEEDS_KEY, VERDICTS_KEY
 
@@ -48,7 +50,7 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _skip_gpu_items_without_gpu(config, items)
     # Only the selected, runnable rule cases decide what each engine measures.
-    cases = [item.callspec.params["case"] for item in items
+    cases = [cast(Case, item.callspec.params["case"]) for item in items
              if isinstance(item, pytest.Function) and isinstance(item.parent, ThresholdsFile)
              and not item.get_closest_marker("skip")]
     config.stash[NEEDS_KEY] = needs_of(cases)

@@ -14,8 +14,8 @@ from pytest_fp8gate.config import load_config
 from pytest_fp8gate.demo.run import demo_config_text
 from pytest_fp8gate.engine import Engine, IdScoringUnavailable
 from pytest_fp8gate.gate import Case, Gate
-from pytest_fp8gate.measure import Measurements, ModelResult, PassResult
 from pytest_fp8gate.logprobs import TOPK_KL, LogprobRun
+from pytest_fp8gate.measure import Measurements, ModelResult, PassResult
 
 # SamplingParams fields as each release declares them (the part that matters here).
 FIELDS_0_26 = ("max_tokens", "prompt_logprobs", "flat_logprobs", "detokenize")
@@ -108,7 +108,8 @@ def test_missing_id_scoring_falls_back_once_and_labels_the_kl(measurements: Meas
 def test_id_scoring_where_available_is_used(measurements: Measurements):
     rng = np.random.default_rng(1)
     base, cand = _run(rng), _run(rng)
-    measurements._baseline = ModelResult(measurements.config.baseline, PassResult("main", logprobs=base), 1.0, None, 1000)
+    measurements._baseline = ModelResult(measurements.config.baseline, PassResult("main", logprobs=base),
+                                         1.0, None, 1000)
 
     class Scoring:
         def logprobs_on_ids(self, chunks, ids):

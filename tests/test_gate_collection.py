@@ -143,8 +143,8 @@ def test_cpu_skips_a_candidate_it_cannot_run_with_the_engines_reason(pytester: p
     import subprocess
     import sys
 
-    from pytest_fp8gate.demo.run import CHECKPOINT_SCHEMES, demo_config_text
     from pytest_fp8gate.demo.embedded import embedded_assets
+    from pytest_fp8gate.demo.run import CHECKPOINT_SCHEMES, demo_config_text
 
     # Written in a child process: torch and transformers stay out of this one.
     checkpoints = {scheme: tmp_path / scheme for scheme in CHECKPOINT_SCHEMES}

@@ -5,6 +5,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
 from baseline_fakes import (
     TASK,
     fake_baseline,
@@ -14,7 +15,6 @@ from baseline_fakes import (
     write_gate,
     write_pass,
 )
-
 from pytest_fp8gate import markdown_report, plots, rules
 from pytest_fp8gate.engine import Latency
 from pytest_fp8gate.gate import Case, Verdict

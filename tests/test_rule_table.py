@@ -7,8 +7,8 @@ import inspect
 from pathlib import Path
 
 import pytest
-from baseline_fakes import TASK, fake_baseline, logprob_run, make_measurements, sample_rows, write_gate, write_pass
 
+from baseline_fakes import TASK, fake_baseline, logprob_run, make_measurements, sample_rows, write_gate, write_pass
 from pytest_fp8gate import config as config_module
 from pytest_fp8gate import rules, suite
 from pytest_fp8gate.gate import Case, Gate

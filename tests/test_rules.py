@@ -5,13 +5,13 @@ import math
 import pytest
 
 from pytest_fp8gate.rules import (
+    FLIP_BINOMIAL,
+    RESOLUTION_ROW,
     SHARE_OF_CEILING,
     DecodeSpeed,
     accuracy_within_se,
     at_least,
     at_most,
-    FLIP_BINOMIAL,
-    RESOLUTION_ROW,
     decode_speed,
     flip_allowance,
     flip_margin_se,

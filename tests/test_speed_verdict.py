@@ -103,5 +103,6 @@ def test_the_speed_verdict_ends_with_its_limit_and_the_roofline_command(gate_for
     lines = gate.speed(Case("speed", "fp8-per-channel")).explain().splitlines()
     model = display_path(Path(gate.config.candidates[0].model))  # paths as the user would type them
     assert lines[-2:] == [
-        f"  limit: {display_path(gate.config.path)} speed.min_ratio_overhead_bound = 0.5",  # the embedded model is overhead-bound
+        # The embedded model is overhead-bound, so that limit applies.
+        f"  limit: {display_path(gate.config.path)} speed.min_ratio_overhead_bound = 0.5",
         f"  recompute: fp8gate roofline {model} --quantization fp8_per_channel --bandwidth-gbps 4800 --context 1128"]

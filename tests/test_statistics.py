@@ -14,8 +14,8 @@ from pytest_fp8gate.answers import (
     mcnemar_exact_p,
 )
 from pytest_fp8gate.errors import ComparisonError
-from pytest_fp8gate.rules import BY_NAME
 from pytest_fp8gate.logprobs import PERCENTILES, LogprobRun, compare_logprobs
+from pytest_fp8gate.rules import BY_NAME
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
