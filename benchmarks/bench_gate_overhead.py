@@ -26,6 +26,7 @@ NOISE_BATCH_SIZE = 7
 def bare(workdir: Path) -> None:
     """The engine work of the demo, straight on vllm.LLM."""
     import gc
+
     import tomllib
 
     config = tomllib.loads((workdir / "thresholds.toml").read_text())

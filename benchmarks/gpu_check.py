@@ -127,7 +127,8 @@ def _rule_table(report: Path) -> list[str]:
                         f"limit {numbers['limit']:.6g}  margin {numbers['margin']:+.6g}")
         else:
             reason = (test.get("setup", {}).get("longrepr") or test.get("call", {}).get("longrepr") or "")
-            rows.append(f"    {test['outcome']:<7} {rule_id:<62} {str(reason).splitlines()[-1][:120] if reason else ''}")
+            last_line = str(reason).splitlines()[-1][:120] if reason else ""
+            rows.append(f"    {test['outcome']:<7} {rule_id:<62} {last_line}")
     return rows
 
 

@@ -39,16 +39,15 @@ import torch
 from plant_kl import strict_answers, task_prompts
 
 from pytest_fp8gate import rules
+from pytest_fp8gate.answers import detectable_flip_rate
 from pytest_fp8gate.config import load_config
-from pytest_fp8gate.spec import GateConfig, ModelSpec
 from pytest_fp8gate.corpus import chunk_corpus
+from pytest_fp8gate.demo.planting import Recipe, fp8_round_trip, write_transformed
 from pytest_fp8gate.demo.run import DEMO_CONFIG
 from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine
-from pytest_fp8gate.gate import PROBABILITY_METRICS
-from pytest_fp8gate.measure import BATCH_ORDER
-from pytest_fp8gate.demo.planting import Recipe, fp8_round_trip, write_transformed
-from pytest_fp8gate.answers import detectable_flip_rate
 from pytest_fp8gate.logprobs import LogprobComparison, LogprobRun, compare_logprobs
+from pytest_fp8gate.measure import BATCH_ORDER
+from pytest_fp8gate.spec import GateConfig, ModelSpec
 
 STRETCHES = (5e3, 1e4, 2e4, 3e4)  # 2e4 is the shipped `mild` plant
 NOISE_SIZES = (0.04, 0.08, 0.12, 0.18)  # Gaussian sigma / matrix RMS
@@ -135,11 +134,13 @@ def judge(name: str, group: str, base: Measured, cand: Measured, floors: list[Me
     comparison = compare_logprobs(base.run, cand.run)
     floor_comparisons = [compare_logprobs(base.run, f.run) for f in floors]
     verdicts: dict[str, rules.RuleOutcome] = {}
-    for metric, (limit_key, field, rule, ideal) in PROBABILITY_METRICS.items():
-        worst = max((getattr(c, field) for c in floor_comparisons), key=lambda v: abs(v - ideal))
-        verdicts[metric] = rule(metric, getattr(comparison, field), getattr(limits, limit_key), worst,
-                                limits.floor_ratio, ideal=ideal, measured_se=comparison.standard_error(field) or 0.0,
-                                k_se=limits.limit_se)
+    for rule in (r for r in rules.RULES if r.kind == "probability"):
+        assert rule.bound is not None and rule.ideal is not None and rule.se_field is not None
+        ideal = rule.ideal
+        worst = max((getattr(c, rule.name) for c in floor_comparisons), key=lambda v: abs(v - ideal))
+        verdicts[rule.name] = rule.bound(rule.name, getattr(comparison, rule.name), getattr(limits, rule.limit_key),
+                                         worst, limits.floor_ratio, ideal=ideal,
+                                         measured_se=getattr(comparison, rule.se_field) or 0.0, k_se=limits.limit_se)
     n = len(golds)
     flips = count_flips(base, cand, golds)
     floor_flips = max(count_flips(base, f, golds) for f in floors)

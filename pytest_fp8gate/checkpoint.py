@@ -11,8 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError
-from .errors import RooflineError
+from .errors import CheckpointError, RooflineError
 from .roofline import read_header, read_json, safetensors_files, text_config
 
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth")

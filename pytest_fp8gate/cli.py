@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from . import hardware, roofline
-from .dumps import dump_run_id, read_lm_eval_samples, read_logprob_dump, samples_run_id
 from .answers import compare_answers
+from .dumps import dump_run_id, read_lm_eval_samples, read_logprob_dump, samples_run_id
 from .errors import CommandError, ComparisonError, Fp8GateError
 from .logprobs import compare_logprobs
 

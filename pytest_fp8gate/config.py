@@ -17,7 +17,7 @@ from typing import Any, Callable, Collection
 
 from . import checkpoint, gpus, roofline
 from .errors import CheckpointError, ConfigError, RooflineError
-from .rules import FLIP_RULES, SPEED_RULES
+from .rules import FLIP_RULES, RULES, SPEED_RULES
 from .spec import (
     WIKITEXT_2,
     DatasetCorpus,
@@ -237,7 +237,7 @@ _PROBABILITY_LIMIT_CHECKS = {
     "floor_ratio": _RATIO,
     "limit_se": _number(0),
 }
-_PROBABILITY_METRIC_LIMITS = ("min_same_top", "max_rms_dp", "max_mean_kl", "max_ppl_ratio")
+_PROBABILITY_METRIC_LIMITS = tuple(rule.limit_key for rule in RULES if rule.kind == "probability")
 _TASK_CHECKS = {
     "task": _text(),
     "metric": _text(),

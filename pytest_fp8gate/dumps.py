@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .atomic import atomic_open
 from .answers import AnswerRecord
+from .atomic import atomic_open
 from .errors import DumpFormatError
 from .logprobs import LogprobRun
 

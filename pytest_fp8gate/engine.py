@@ -20,8 +20,8 @@ import numpy as np
 
 from . import capabilities, lifecycle, provenance
 from .errors import IdScoringUnavailable, MeasurementError
-from .spec import ModelSpec
 from .logprobs import LogprobRun
+from .spec import ModelSpec
 
 log = logging.getLogger("fp8gate")
 

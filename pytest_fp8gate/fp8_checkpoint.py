@@ -23,8 +23,7 @@ from typing import Any, Iterable
 
 from .atomic import atomic_directory
 from .checkpoint import check_model_dir
-from .errors import CheckpointError
-from .errors import QuantizeError
+from .errors import CheckpointError, QuantizeError
 from .roofline import safetensors_files
 
 E4M3_MAX = 448.0

@@ -1,22 +1,26 @@
 """Turn measurements into rule verdicts that explain themselves.
 
 Each verdict puts baseline, noise floor, candidate, threshold and margin side
-by side; the flip rule also shows the first flipped questions.
+by side; the flip rule also shows the first flipped questions. It ends with
+where to act: the thresholds key of the limit, and the ``fp8gate`` command that
+recomputes the number from this run's artifacts.
 """
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any
 
 from . import roofline, rules
-from .spec import GateConfig, SpeedSpec, TaskLimits, TaskSpec
-from .errors import DumpFormatError
-from .measure import PASS_DESCRIPTIONS, Measurements, ModelResult, PassResult, memory_bandwidth, weights_dir
-from .rules import RuleOutcome
 from .answers import AnswerComparison, AnswerRecord, compare_answers
-from .errors import ComparisonError, GateError, RooflineError
+from .errors import ComparisonError, DumpFormatError, GateError, RooflineError
 from .logprobs import TOPK_KL, LogprobComparison, compare_logprobs
+from .measure import PASS_DESCRIPTIONS, Measurements, ModelResult, PassResult, memory_bandwidth, weights_dir
+from .options import display_path
+from .rules import RuleOutcome
+from .spec import GateConfig, SpeedSpec, TaskLimits, TaskSpec
 
 FLIP_EXAMPLES = 3
 
@@ -41,6 +45,8 @@ class Verdict:
     details: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     examples: tuple[str, ...] = ()
+    limit: str | None = None  # where the limit is set: "thresholds.toml probabilities.limits.max_mean_kl = 0.01"
+    recompute: str | None = None  # the fp8gate command that recomputes the measured number from the artifacts
 
     @property
     def passed(self) -> bool:
@@ -56,20 +62,36 @@ class Verdict:
         if self.examples:
             lines.append(f"  first {len(self.examples)} flipped questions:")
             lines += self.examples
+        if self.limit:
+            lines.append(f"  limit: {self.limit}")
+        if self.recompute:
+            lines.append(f"  recompute: {self.recompute}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
         return {"candidate": self.case.candidate, "task": self.case.task, **self.outcome.as_dict(),
-                "notes": list(self.notes), "details": self.details}
+                "notes": list(self.notes), "details": self.details, "limit_key": self.limit,
+                "recompute": self.recompute}
 
 
-# metric -> (limit field in [probabilities.limits], comparison field, rule, ideal value)
-PROBABILITY_METRICS: dict[str, tuple[str, str, Callable[..., RuleOutcome], float]] = {
-    "same_top": ("min_same_top", "same_top", rules.at_least, 1.0),
-    "rms_dp": ("max_rms_dp", "rms_dp", rules.at_most, 0.0),
-    "ppl_ratio": ("max_ppl_ratio", "ppl_ratio", rules.at_most, 1.0),
-    "mean_kl": ("max_mean_kl", "mean_kl", rules.at_most, 0.0),
-}
+def fp8gate_command(*words: Any) -> str:
+    """An ``fp8gate`` command line, shell-quoted, with paths as the user would type them."""
+    return " ".join(shlex.quote(str(display_path(w)) if isinstance(w, Path) else str(w)) for w in ("fp8gate", *words))
+
+
+def compare_logprobs_command(base: PassResult, cand: PassResult) -> str | None:
+    """``fp8gate compare-logprobs`` on two passes' dumps (None: a pass wrote none)."""
+    if base.logprobs_path is None or cand.logprobs_path is None:
+        return None
+    return fp8gate_command("compare-logprobs", base.logprobs_path, cand.logprobs_path)
+
+
+def flips_command(base: PassResult, cand: PassResult, task: TaskSpec) -> str | None:
+    """``fp8gate flips`` on two passes' samples of ``task`` (None: a pass did not run it)."""
+    base_samples, cand_samples = base.samples.get(task.name), cand.samples.get(task.name)
+    if base_samples is None or cand_samples is None:
+        return None
+    return fp8gate_command("flips", base_samples, cand_samples, "--filter", task.filter, "--metric", task.metric)
 
 
 class Gate:
@@ -80,15 +102,14 @@ class Gate:
         self.measurements = measurements
 
     def evaluate(self, case: Case) -> Verdict:
-        if case.rule in PROBABILITY_METRICS:
-            return self.probability(case)
-        if case.rule == "accuracy":
-            return self.accuracy(case)
-        if case.rule == "flips":
-            return self.flips(case)
-        if case.rule == "speed":
-            return self.speed(case)
-        raise GateError(f"unknown rule {case.rule!r}")
+        rule = rules.BY_NAME.get(case.rule)
+        if rule is None:
+            raise GateError(f"unknown rule {case.rule!r}; expected one of {', '.join(rules.BY_NAME)}")
+        # Probability rules share one judge driven by their row; any other rule has a method of its name.
+        return self.probability(case) if rule.kind == "probability" else getattr(self, rule.name)(case)
+
+    def _limit(self, key: str, value: Any) -> str:
+        return f"{display_path(self.config.path)} {key} = {value:g}"
 
     # ---- check one: probabilities on the same text ---------------------------
 
@@ -114,20 +135,23 @@ class Gate:
     def probability(self, case: Case) -> Verdict:
         assert self.config.probabilities is not None
         limits = self.config.probabilities.limits
-        limit_key, field_name, rule, ideal = PROBABILITY_METRICS[case.rule]
+        rule = rules.BY_NAME[case.rule]
+        assert rule.bound is not None and rule.ideal is not None and rule.se_field is not None
         comparison = self.logprob_comparison(case.candidate)
         floors = self.logprob_floor()
-        measured = getattr(comparison, field_name)
+        measured = getattr(comparison, rule.name)
         if measured is None:
             raise GateError(
-                f"{self.config.path}: probabilities.limits.{limit_key}: the engine gave no distributions to "
-                f"compute {field_name} from (KL: {comparison.kl_kind}); remove the limit or use full_vocab/top_k"
+                f"{self.config.path}: probabilities.limits.{rule.limit_key}: the engine gave no distributions to "
+                f"compute {rule.name} from (KL: {comparison.kl_kind}); remove the limit or use full_vocab/top_k"
             )
-        floor_values = {label: getattr(c, field_name) for label, c in floors.items()}
+        ideal = rule.ideal
+        floor_values = {label: getattr(c, rule.name) for label, c in floors.items()}
         worst = max(floor_values.values(), key=lambda v: abs(v - ideal)) if floor_values else None
-        outcome = rule(case.rule, measured, getattr(limits, limit_key), worst, limits.floor_ratio, ideal=ideal,
-                       measured_se=comparison.standard_error(field_name) or 0.0, k_se=limits.limit_se)
-        notes = [f"noise pass {label}: {field_name} = {_number(v)} ({PASS_DESCRIPTIONS[label]})"
+        reference = getattr(limits, rule.limit_key)
+        outcome = rule.bound(rule.name, measured, reference, worst, limits.floor_ratio, ideal=ideal,
+                             measured_se=getattr(comparison, rule.se_field) or 0.0, k_se=limits.limit_se)
+        notes = [f"noise pass {label}: {rule.name} = {_number(v)} ({PASS_DESCRIPTIONS[label]})"
                  for label, v in floor_values.items()]
         if case.rule == "mean_kl":
             notes.append(f"KL(base || candidate) is {comparison.kl_kind}{self._kl_partition_note(comparison)}")
@@ -139,7 +163,10 @@ class Gate:
                      f"PPL ratio {comparison.ppl_ratio:.6f}")
         details = {"comparison": comparison.as_dict(),
                    "noise_floor": {label: c.as_dict() for label, c in floors.items()}}
-        return Verdict(case, outcome, details, tuple(notes))
+        recompute = compare_logprobs_command(self.measurements.baseline().main,
+                                             self.measurements.candidate(case.candidate).main)
+        return Verdict(case, outcome, details, tuple(notes),
+                       limit=self._limit(f"probabilities.limits.{rule.limit_key}", reference), recompute=recompute)
 
     def _kl_partition_note(self, comparison: LogprobComparison) -> str:
         if comparison.kl_kind != TOPK_KL:
@@ -188,7 +215,10 @@ class Gate:
                  f"{', two-sided' if task.limits.two_sided else ', one-sided (a drop fails)'}",
                  f"McNemar exact p on the flips: {comparison.mcnemar_p:.4g} (an addition to the article)"]
         notes += [f"noise pass {label}: accuracy {c.accuracy_cand:.4f}" for label, c in floors.items()]
-        return Verdict(case, outcome, self._answer_details(comparison, floors), tuple(notes))
+        key = rules.BY_NAME[rules.ACCURACY].limit_key
+        return Verdict(case, outcome, self._answer_details(comparison, floors), tuple(notes),
+                       limit=self._task_limit(task, key, getattr(task.limits, key)),
+                       recompute=self._flips_command(case, task))
 
     def flips(self, case: Case) -> Verdict:
         task = self._task(case.task)
@@ -213,7 +243,17 @@ class Gate:
             f"      baseline : {_short(f.base_response)}\n      candidate: {_short(f.cand_response)}"
             for f in comparison.flipped[:FLIP_EXAMPLES]
         )
-        return Verdict(case, outcome, self._answer_details(comparison, floors), tuple(notes), examples)
+        key = "flip_alpha" if limits.flip_rule == rules.FLIP_BINOMIAL else rules.BY_NAME[rules.FLIPS].limit_key
+        return Verdict(case, outcome, self._answer_details(comparison, floors), tuple(notes), examples,
+                       limit=self._task_limit(task, key, getattr(limits, key)),
+                       recompute=self._flips_command(case, task))
+
+    def _task_limit(self, task: TaskSpec, key: str, value: float) -> str:
+        return self._limit(f"tasks[{self.config.tasks.index(task)}].limits.{key}", value)
+
+    def _flips_command(self, case: Case, task: TaskSpec) -> str | None:
+        return flips_command(self.measurements.baseline().main, self.measurements.candidate(case.candidate).main,
+                             task)
 
     @staticmethod
     def _answer_details(comparison: AnswerComparison, floors: dict[str, AnswerComparison]) -> dict[str, Any]:
@@ -247,19 +287,22 @@ class Gate:
                                      overhead_bound_below=speed.overhead_bound_below,
                                      min_ratio_overhead_bound=speed.min_ratio_overhead_bound)
         notes = [f"{gpu_name}: {bandwidth:g} GB/s per GPU; bytes read per decoded token: "
-                 + "; ".join(f"{name} {e.bytes_per_token / 1e9:.3f} GB over {e.bandwidth_gbps / bandwidth:g} GPU(s)"
+                 + "; ".join(f"{name} {e.bytes_per_token / 1e9:.3f} GB over {_gpus(e, bandwidth):g} GPU(s)"
                              for name, e in estimates.items())
                  + f" (weights, and the KV cache at the decode's mean context of {context} tokens: "
                  f"{speed.input_len} in, {speed.output_len} out)",
                  _speed_judgement(speed, cand, base_speed),
                  f"decode excludes prefill: median {result.latency.median_prefill_s * 1e3:.1f} ms prefill of "
                  f"{speed.input_len} tokens, batch {speed.batch_size}",
-                 f"KV-cache capacity: candidate {result.kv_cache_tokens} tokens, baseline {base.kv_cache_tokens} tokens"]
+                 f"KV-cache capacity: candidate {result.kv_cache_tokens} tokens, "
+                 f"baseline {base.kv_cache_tokens} tokens"]
         details = {"latency": result.latency.as_dict(), "roofline": estimates["candidate"].as_dict(),
                    "baseline_roofline": estimates["baseline"].as_dict(),
                    "kv_cache_tokens": result.kv_cache_tokens, "baseline_kv_cache_tokens": base.kv_cache_tokens,
                    "baseline_latency": base.latency.as_dict()}
-        return Verdict(case, outcome, details, tuple(notes))
+        key = _speed_limit_key(speed, cand, base_speed)
+        return Verdict(case, outcome, details, tuple(notes), limit=self._limit(f"speed.{key}", getattr(speed, key)),
+                       recompute=_roofline_command(*_roofline_inputs(result, bandwidth, context)))
 
 
 def _flip_rule_note(limits: TaskLimits, floor_flips: int, questions: int, outcome: RuleOutcome) -> str:
@@ -279,22 +322,53 @@ def _flip_rule_note(limits: TaskLimits, floor_flips: int, questions: int, outcom
             f"rule out a candidate that flips less")
 
 
-def _roofline(model: ModelResult, bandwidth_gbps: float, context_tokens: int) -> roofline.RooflineEstimate:
-    """The model's decode roofline; with tensor parallelism each GPU reads its shard of every token's bytes."""
+def _roofline_inputs(model: ModelResult, bandwidth_gbps: float, context_tokens: int) -> tuple[Path, dict[str, Any]]:
+    """The weights and estimate_from_path arguments of the model's decode roofline.
+
+    With tensor parallelism each GPU reads its shard of every token's bytes.
+    """
     parallel = int(model.spec.engine.get("tensor_parallel_size", 1))
+    return weights_dir(model.spec.model), {"quantization": model.spec.quantization,
+                                           "bandwidth_gbps": bandwidth_gbps * parallel,
+                                           "context_tokens": context_tokens,
+                                           "kv_cache_dtype": model.spec.engine.get("kv_cache_dtype")}
+
+
+def _roofline(model: ModelResult, bandwidth_gbps: float, context_tokens: int) -> roofline.RooflineEstimate:
+    weights, arguments = _roofline_inputs(model, bandwidth_gbps, context_tokens)
     try:
-        return roofline.estimate_from_path(
-            weights_dir(model.spec.model), quantization=model.spec.quantization,
-            bandwidth_gbps=bandwidth_gbps * parallel, context_tokens=context_tokens,
-            kv_cache_dtype=model.spec.engine.get("kv_cache_dtype"),
-        )
+        return roofline.estimate_from_path(weights, **arguments)
     except RooflineError as err:
         raise GateError(f"speed: cannot compute the roofline of {model.spec.name}: {err}") from None
+
+
+# estimate_from_path's arguments as `fp8gate roofline` options
+_ROOFLINE_OPTIONS = {"quantization": "--quantization", "bandwidth_gbps": "--bandwidth-gbps",
+                     "context_tokens": "--context", "kv_cache_dtype": "--kv-cache-dtype"}
+
+
+def _roofline_command(weights: Path, arguments: dict[str, Any]) -> str:
+    options = [word for key, value in arguments.items() if value is not None
+               for word in (_ROOFLINE_OPTIONS[key], f"{value:g}" if isinstance(value, float) else value)]
+    return fp8gate_command("roofline", weights, *options)
+
+
+def _gpus(estimate: roofline.RooflineEstimate, bandwidth_gbps: float) -> float:
+    """How many GPUs' bandwidth the estimate spans (tensor parallelism)."""
+    assert estimate.bandwidth_gbps is not None  # a bandwidth was always given
+    return estimate.bandwidth_gbps / bandwidth_gbps
 
 
 def _ceiling(estimate: roofline.RooflineEstimate) -> float:
     assert estimate.ceiling_tok_s is not None  # a bandwidth was always given
     return estimate.ceiling_tok_s
+
+
+def _speed_limit_key(speed: SpeedSpec, cand: rules.DecodeSpeed, base: rules.DecodeSpeed) -> str:
+    """The [speed] key of the limit that decode_speed applied."""
+    if any(rules.is_overhead_bound(s, speed.overhead_bound_below) for s in (cand, base)):
+        return "min_ratio_overhead_bound"
+    return "min_fraction_of_ceiling" if speed.rule == rules.SHARE_OF_CEILING else "min_share_of_baseline"
 
 
 def _speed_judgement(speed: SpeedSpec, cand: rules.DecodeSpeed, base: rules.DecodeSpeed) -> str:

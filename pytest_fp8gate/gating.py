@@ -17,8 +17,8 @@ from typing import TypeGuard
 import pytest
 
 from .collect import ThresholdsFile
-from .spec import GateConfig
 from .options import Settings, display_path
+from .spec import GateConfig
 
 ALLOW_NO_RULES = "--fp8gate-allow-no-rules"
 

@@ -200,11 +200,10 @@ class LogprobComparison:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def standard_error(self, metric: str) -> float | None:
-        """SE of ``same_top``, ``rms_dp``, ``ppl_ratio`` (delta method from its log) or ``mean_kl``."""
-        if metric == "ppl_ratio":
-            return self.ppl_ratio * self.ln_ppl_ratio_se
-        return {"same_top": self.same_top_se, "rms_dp": self.rms_dp_se, "mean_kl": self.kl_se}[metric]
+    @property
+    def ppl_ratio_se(self) -> float:
+        """SE of ``ppl_ratio``, by the delta method from the SE of its log."""
+        return self.ppl_ratio * self.ln_ppl_ratio_se
 
 
 def _mean_se(values: np.ndarray) -> tuple[float, float]:

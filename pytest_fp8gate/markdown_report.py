@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import plots
-from .spec import GateConfig, TaskSpec
+from .answers import AnswerComparison, FlippedAnswer, compare_answers
 from .dumps import read_lm_eval_generations
-from .gate import Case, Verdict
+from .gate import Case, Verdict, compare_logprobs_command, flips_command
 from .measure import PASS_DESCRIPTIONS, BaselineRecord, ModelResult
 from .options import display_path
-from .answers import AnswerComparison, FlippedAnswer, compare_answers
+from .spec import GateConfig, TaskSpec
 
 FLIPS_SHOWN = 20  # per candidate and task; the recompute command lists them all
 CONTEXT_WORDS = 6
@@ -69,10 +68,6 @@ def noise_floor_text(verdict: Verdict) -> str:
     floors = verdict.details.get("noise_floor") or {}
     accuracies = [f"{label} {c['accuracy_cand']:.4g}" for label, c in floors.items() if "accuracy_cand" in c]
     return ", ".join(accuracies) or "-"
-
-
-def _command(*words: Any) -> str:
-    return " ".join(shlex.quote(str(display_path(w)) if isinstance(w, Path) else str(w)) for w in words)
 
 
 def first_divergence(base: str, cand: str) -> str:
@@ -218,23 +213,17 @@ class _Candidate:
         baseline = self.data.baseline
         if baseline is None or self.result is None:
             return []
+        base, cand, noise = baseline.result.main, self.result.main, baseline.noise.items()
+        # The candidate's command, then each noise pass's against the same baseline files.
+        groups = [(compare_logprobs_command(base, cand),
+                   [(label, compare_logprobs_command(base, run)) for label, run in noise])]
+        groups += [(flips_command(base, cand, task), [(label, flips_command(base, run, task)) for label, run in noise])
+                   for task in self.data.config.tasks]
         commands = []
-        base_dump, cand_dump = baseline.result.main.logprobs_path, self.result.main.logprobs_path
-        if base_dump is not None and cand_dump is not None:
-            commands.append(_command("fp8gate", "compare-logprobs", base_dump, cand_dump))
-            commands += [_command("fp8gate", "compare-logprobs", base_dump, run.logprobs_path)
-                         + f"   # noise floor: {label}"
-                         for label, run in baseline.noise.items() if run.logprobs_path is not None]
-        for task in self.data.config.tasks:
-            base_samples = baseline.result.main.samples.get(task.name)
-            cand_samples = self.result.main.samples.get(task.name)
-            if base_samples is None or cand_samples is None:
-                continue
-            options = ("--filter", task.filter, "--metric", task.metric)
-            commands.append(_command("fp8gate", "flips", base_samples, cand_samples, *options))
-            commands += [_command("fp8gate", "flips", base_samples, run.samples[task.name], *options)
-                         + f"   # noise floor: {label}"
-                         for label, run in baseline.noise.items() if task.name in run.samples]
+        for main, floors in groups:
+            if main is not None:
+                commands.append(main)
+                commands += [f"{command}   # noise floor: {label}" for label, command in floors if command]
         if not commands:
             return []
         return ["### Recompute from the artifacts", "", "```", *commands, "```", ""]

@@ -23,14 +23,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from . import capabilities as capabilities_mod
 from . import corpus as corpus_mod
 from . import gpus, hardware, preflight, provenance
+from .answers import AnswerRecord
 from .atomic import atomic_write_text
-from .spec import GateConfig, ModelSpec, SpeedSpec, TaskSpec
 from .dumps import RUN_ID, read_lm_eval_samples, write_logprob_dump
 from .engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine, Latency
-from .errors import IdScoringUnavailable
-from .answers import AnswerRecord
-from .errors import Fp8GateError, MeasurementError
+from .errors import Fp8GateError, IdScoringUnavailable, MeasurementError
 from .logprobs import LogprobRun
+from .spec import GateConfig, ModelSpec, SpeedSpec, TaskSpec
 
 if TYPE_CHECKING:
     from .baseline_cache import BaselineCache

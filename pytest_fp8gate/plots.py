@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .atomic import atomic_open
 from .answers import AnswerComparison
+from .atomic import atomic_open
 from .logprobs import LogprobRun, kl_per_position
 
 INSTALL_HINT = "pip install 'pytest-fp8gate[report]'"
@@ -52,7 +52,8 @@ def _save(figure: Any, path: Path) -> None:
 def _series(cand: LogprobRun, floors: dict[str, LogprobRun]) -> list[tuple[str, LogprobRun, str]]:
     """(legend label, run, colour): the candidate first, then each noise pass."""
     return [("candidate", cand, CANDIDATE_COLOR)] + [
-        (f"noise floor: {label}", run, FLOOR_COLORS[i % len(FLOOR_COLORS)]) for i, (label, run) in enumerate(floors.items())]
+        (f"noise floor: {label}", run, FLOOR_COLORS[i % len(FLOOR_COLORS)])
+        for i, (label, run) in enumerate(floors.items())]
 
 
 def delta_p_histogram(base: LogprobRun, cand: LogprobRun, floors: dict[str, LogprobRun], title: str,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -10,6 +11,7 @@ from . import gating, hardware, lifecycle, options, report, session
 from .cases import needs_of
 from .collect import ThresholdsFile
 from .config import ConfigError, load_config
+from .gate import Case
 from .options import SETTINGS_KEY
 from .session import CONFIG_KEY, NEEDS_KEY, VERDICTS_KEY
 
@@ -60,8 +62,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if gate is not None:
         gating.check_selection(session, session.config.stash[SETTINGS_KEY], gate)
         # What each engine measures follows the rule tests left after -k/-m deselection that will run.
-        session.config.stash[NEEDS_KEY] = needs_of([item.callspec.params["case"] for item in session.items
-                                                    if gating.is_rule(item) and not item.get_closest_marker("skip")])
+        cases = [cast(Case, item.callspec.params["case"]) for item in session.items
+                 if gating.is_rule(item) and not item.get_closest_marker("skip")]
+        session.config.stash[NEEDS_KEY] = needs_of(cases)
 
 
 def pytest_runtest_call(item: pytest.Item) -> None:

@@ -2,8 +2,8 @@
 
 Everything here is cheap: weights are fingerprinted by their safetensors headers
 and file sizes (not their bytes), the visible GPUs come from hardware.probe_cuda
-(nvidia-smi, torch as fallback), the CPU model from /proc/cpuinfo. The same facts go into every artifact, the report, and the key
-of the baseline cache.
+(nvidia-smi, torch as fallback), the CPU model from /proc/cpuinfo. The same
+facts go into every artifact, the report, and the key of the baseline cache.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from . import markdown_report
-from .session import SESSION_KEY, VERDICTS_KEY, VERDICT_KEY, GateSession
 from .gate import Case, Verdict
 from .options import SETTINGS_KEY, display_path
+from .session import SESSION_KEY, VERDICT_KEY, VERDICTS_KEY, GateSession
 
 
 def summary_lines(verdicts: list[Verdict]) -> list[str]:

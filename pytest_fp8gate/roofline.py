@@ -267,7 +267,7 @@ def _checkpoint_fp8_scheme(cfg: dict, config_path: Path) -> str | None:
         for group in (qcfg.get("config_groups") or {}).values():
             weights = group.get("weights") or {}
             if weights.get("type") == "float" and weights.get("num_bits") == 8:
-                strategy = weights.get("strategy")
+                strategy: str = weights.get("strategy") or ""
                 return {"channel": "fp8_per_channel", "block": "fp8_per_block"}.get(strategy, "fp8_per_tensor")
     raise RooflineError(
         f"{config_path}: quantization_config {method!r} is not FP8; "

@@ -1,20 +1,28 @@
-"""The gate's rules as pure functions of measured numbers.
+"""The gate's rules: their registry, RULES, and pure functions of measured numbers.
 
 Each rule returns a RuleOutcome whose ``rows`` explain the verdict side by side
 (baseline, noise floor, candidate, threshold, margin). ``margin`` is signed:
 positive means room left, negative means by how much the rule failed.
+
+Adding a rule means one row in RULES (its name, test, kind and limit) and one
+function judging it: a probability rule's row names its bound; any other rule
+is judged by the ``Gate`` method of the rule's name.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .answers import binomial_se, detectable_flip_rate, flip_ratio_p
 
 __all__ = [
+    "RULES",
+    "BY_NAME",
+    "BY_TEST",
+    "Rule",
     "RuleOutcome",
     "accuracy_within_se",
     "at_least",
@@ -32,6 +40,9 @@ __all__ = [
 ]
 
 Row = tuple[str, float]
+
+# The names of the rules judged by a function of their own (the probability rules' names are in RULES).
+ACCURACY, FLIPS, SPEED = "accuracy", "flips", "speed"
 
 
 @dataclass(frozen=True)
@@ -95,8 +106,8 @@ def accuracy_within_se(
     ]
     if two_sided and cand_acc > base_acc:
         upper = base_acc + k * se
-        return _outcome("accuracy_within_se", cand_acc, upper, upper - cand_acc, rows)
-    return _outcome("accuracy_within_se", cand_acc, lower, cand_acc - lower, rows)
+        return _outcome(ACCURACY, cand_acc, upper, upper - cand_acc, rows)
+    return _outcome(ACCURACY, cand_acc, lower, cand_acc - lower, rows)
 
 
 FLIP_RATIO = "ratio"
@@ -204,8 +215,7 @@ def flips_within_noise_floor(
     ]
     if rule == FLIP_BINOMIAL:
         rows.append(("test level alpha", alpha))
-        return _outcome("flips_binomial_test", flips, allowed, allowed - flips, rows)
-    return _outcome("flips_within_noise_floor", flips, allowed, allowed - flips, rows)
+    return _outcome(FLIPS, flips, allowed, allowed - flips, rows)
 
 
 def _bounded(
@@ -342,15 +352,51 @@ def decode_speed(
     ]
     if is_overhead_bound(candidate, overhead_bound_below) or is_overhead_bound(baseline, overhead_bound_below):
         rows.append(("overhead-bound below share", overhead_bound_below))
-        return _outcome("speed", speedup, min_ratio_overhead_bound, speedup - min_ratio_overhead_bound, rows)
+        return _outcome(SPEED, speedup, min_ratio_overhead_bound, speedup - min_ratio_overhead_bound, rows)
     if rule == SHARE_OF_CEILING:
-        return _outcome("speed", candidate.share, min_fraction_of_ceiling,
+        return _outcome(SPEED, candidate.share, min_fraction_of_ceiling,
                         candidate.share - min_fraction_of_ceiling, rows)
     ratio = candidate.share / baseline.share
     rows.append(("share ratio (= speedup / allowed)", ratio))
-    return _outcome("speed", ratio, min_share_of_baseline, ratio - min_share_of_baseline, rows)
+    return _outcome(SPEED, ratio, min_share_of_baseline, ratio - min_share_of_baseline, rows)
 
 
 def is_overhead_bound(speed: DecodeSpeed, overhead_bound_below: float) -> bool:
     """Bytes explain too little of the step time for the bandwidth ceiling to apply."""
     return speed.share < overhead_bound_below
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule of the gate.
+
+    ``name`` is its one name: ``Case.rule``, ``RuleOutcome.rule``, the JSON
+    report's and the summary's "rule". ``test`` is its test function in
+    suite.py (the ids are public). ``kind`` says what it needs measured and how
+    its cases are formed: per candidate ("probability", "speed") or per
+    candidate and task ("task"). ``limit_key`` is its limit's key in
+    [probabilities.limits], a task's limits or [speed]; a probability rule is
+    collected only where that limit is set.
+    """
+
+    name: str
+    test: str
+    kind: Literal["probability", "task", "speed"]
+    limit_key: str
+    bound: Callable[..., RuleOutcome] | None = None  # probability rules: at_least or at_most the limit
+    ideal: float | None = None  # probability rules: the metric for two identical runs
+    se_field: str | None = None  # probability rules: the LogprobComparison field holding the metric's SE
+
+
+# The probability rows follow [probabilities.limits]; each name is also its LogprobComparison field.
+RULES: tuple[Rule, ...] = (
+    Rule(ACCURACY, "test_accuracy_within_se", "task", "accuracy_se"),
+    Rule(FLIPS, "test_flips_within_noise_floor", "task", "flips_ratio"),
+    Rule("same_top", "test_same_top_near_baseline", "probability", "min_same_top", at_least, 1.0, "same_top_se"),
+    Rule("rms_dp", "test_rms_dp_within_limit", "probability", "max_rms_dp", at_most, 0.0, "rms_dp_se"),
+    Rule("mean_kl", "test_kl_within_limit", "probability", "max_mean_kl", at_most, 0.0, "kl_se"),
+    Rule("ppl_ratio", "test_ppl_ratio_within_limit", "probability", "max_ppl_ratio", at_most, 1.0, "ppl_ratio_se"),
+    Rule(SPEED, "test_decode_speed_near_ceiling", "speed", "min_share_of_baseline"),
+)
+BY_NAME = {rule.name: rule for rule in RULES}
+BY_TEST = {rule.test: rule for rule in RULES}

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 from . import lifecycle
-from .spec import GateConfig
 from .engine import Engine
 from .errors import Fp8GateError
 from .gate import Case, Gate, Verdict
 from .measure import Measurements, Needs
 from .options import SETTINGS_KEY
+from .spec import GateConfig
 
 CONFIG_KEY = pytest.StashKey[GateConfig | None]()  # the loaded thresholds, None without a file
 NEEDS_KEY = pytest.StashKey[dict[str, Needs]]()
@@ -59,7 +59,7 @@ class GateSession:
         try:
             verdict = self.evaluate(case)
         except Fp8GateError as err:  # every error of the gate's own says what is wrong in one line
-            reason = str(err)
+            reason: str | None = str(err)
         else:
             reason = None
         if reason is not None:  # failed outside the except block, so no "During handling" chain is shown

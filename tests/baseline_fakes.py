@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from pytest_fp8gate.config import load_config
-
-from pytest_fp8gate.spec import GateConfig
 from pytest_fp8gate.dumps import write_lm_eval_samples, write_logprob_dump
+from pytest_fp8gate.logprobs import LogprobRun
 from pytest_fp8gate.measure import (
     BaselineRecord,
     Measurements,
@@ -27,7 +26,7 @@ from pytest_fp8gate.measure import (
     Needs,
     PassResult,
 )
-from pytest_fp8gate.logprobs import LogprobRun
+from pytest_fp8gate.spec import GateConfig
 
 VOCAB = 8
 POSITIONS = 400

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from baseline_fakes import TASK, fake_baseline, make_measurements, write_gate
 
+from baseline_fakes import TASK, fake_baseline, make_measurements, write_gate
 from pytest_fp8gate import provenance
 from pytest_fp8gate.baseline_cache import (
     BaselineCache,

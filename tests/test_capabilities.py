@@ -6,12 +6,7 @@ import numpy as np
 import pytest
 
 from pytest_fp8gate import capabilities
-from pytest_fp8gate.capabilities import (
-    UnsupportedEngine,
-    detect,
-    version_note,
-    version_tuple,
-)
+from pytest_fp8gate.capabilities import UnsupportedEngine, detect, version_note, version_tuple
 from pytest_fp8gate.engine import Engine, IdScoringUnavailable
 
 # SamplingParams fields as each release declares them (the part that matters here).

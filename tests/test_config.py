@@ -347,7 +347,8 @@ BAD_INPUTS = {
         MODELS
         + "[baseline.engine]\nmax_model_len = 1024\n"
         + "[probabilities]\nchunk_tokens = 2048\n[probabilities.limits]\nmax_mean_kl = 0.1\n",
-        "probabilities.chunk_tokens: needs 2049 tokens of context (chunk_tokens + 1) but baseline.engine.max_model_len is 1024",
+        "probabilities.chunk_tokens: needs 2049 tokens of context (chunk_tokens + 1) "
+        "but baseline.engine.max_model_len is 1024",
     ),
     "speed longer than a candidate's context": (
         MODELS + "[candidates.engine]\nmax_model_len = 1200\n[speed]\n",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from collections import Counter
@@ -134,6 +135,17 @@ def test_failure_explains_itself_side_by_side(demo: dict) -> None:
     text = entry["call"]["longrepr"]
     for label in ("noise floor flips", "candidate flips", "threshold", "margin", "first", "baseline :"):
         assert label in text, text
+
+
+def test_a_failing_rule_ends_with_its_limit_and_the_command_that_recomputes_it(demo: dict,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    entry = demo["tests"][("planted-noscale", "test_kl_within_limit")]
+    limit, recompute = entry["call"]["longrepr"].strip().splitlines()[-2:]
+    assert limit.endswith(" probabilities.limits.max_mean_kl = 0.001355"), limit
+    words = shlex.split(recompute.removeprefix("  recompute: "))
+    assert words[:2] == ["fp8gate", "compare-logprobs"], recompute
+    assert fp8gate_main([*words[1:], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mean_kl"] == pytest.approx(entry["metadata"]["fp8gate"]["measured"])
 
 
 def test_rule_numbers_are_in_the_json_report(demo: dict) -> None:

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 import pytest_fp8gate
+from baseline_fakes import write_gate
 from pytest_fp8gate import errors, roofline
 from pytest_fp8gate.cli import EXIT_ERROR, EXIT_FAILURE, main
-
-from baseline_fakes import write_gate
 
 ERRORS = [cls for _, cls in inspect.getmembers(errors, inspect.isclass)
           if issubclass(cls, BaseException) and cls.__module__ == errors.__name__]

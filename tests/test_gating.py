@@ -113,7 +113,8 @@ def test_require_gpu_fails_a_cpu_gate(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("thresholds.toml", "--fp8gate-require-gpu")
     result.assert_outcomes(skipped=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(['fp8gate: --fp8gate-require-gpu: no rule ran on a GPU (thresholds.toml sets device = "cpu")'])
+    result.stdout.fnmatch_lines(
+        ['fp8gate: --fp8gate-require-gpu: no rule ran on a GPU (thresholds.toml sets device = "cpu")'])
 
 
 def test_require_gpu_fails_when_every_gpu_rule_errored_before_running(pytester: pytest.Pytester, fake_gpus) -> None:

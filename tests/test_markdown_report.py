@@ -5,6 +5,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
 from baseline_fakes import (
     TASK,
     fake_baseline,
@@ -14,7 +15,6 @@ from baseline_fakes import (
     write_gate,
     write_pass,
 )
-
 from pytest_fp8gate import markdown_report, plots, rules
 from pytest_fp8gate.engine import Latency
 from pytest_fp8gate.gate import Case, Verdict
@@ -151,7 +151,7 @@ def test_rule_numbers_land_in_junit_properties(pytester: pytest.Pytester, family
         0.03 / math.sqrt(0.01 * 0.99 / 100 + 4 * 0.02 * 0.98 / 100))
     assert 0.02 < additions[rules.RESOLUTION_ROW] < 0.2
     assert cases["test_flips"] == {
-        "fp8gate.rule": "flips_within_noise_floor", "fp8gate.candidate": "fp8", "fp8gate.task": "tiny",
+        "fp8gate.rule": "flips", "fp8gate.candidate": "fp8", "fp8gate.task": "tiny",
         "fp8gate.passed": "True", "fp8gate.measured": "1.0", "fp8gate.noise_floor": "2",
         "fp8gate.threshold": "4.0", "fp8gate.margin": "3.0", "fp8gate.row.questions": "100.0",
         "fp8gate.row.noise floor flips": "2.0", "fp8gate.row.2 x noise floor": "4.0",

@@ -42,7 +42,8 @@ def test_tensor_times_pipeline_parallel_beyond_the_visible_gpus_is_refused(confi
     config = config_with("tensor_parallel_size = 2\npipeline_parallel_size = 2")
     problem = parallelism_problem(config, 2, NEEDS)
     assert problem is not None
-    assert "baseline.engine: tensor_parallel_size 2 x pipeline_parallel_size 2 needs 4 GPUs, but 2 are visible" in problem
+    assert ("baseline.engine: tensor_parallel_size 2 x pipeline_parallel_size 2 needs 4 GPUs, "
+            "but 2 are visible") in problem
     assert parallelism_problem(config, 4, NEEDS) is None
     assert parallelism_problem(config, 8, NEEDS) is None  # the first four of eight
 

@@ -72,7 +72,8 @@ def test_a_model_directory_without_config_json(gate_dir: Path) -> None:
 def test_a_config_json_that_is_not_an_object(gate_dir: Path, text: str, why: str) -> None:
     (gate_dir / "cand" / "config.json").write_text(text)
     message = _load(gate_dir)
-    assert message is not None and message.startswith(f"candidates[0].model: {gate_dir / 'cand' / 'config.json'}: {why}")
+    config = gate_dir / "cand" / "config.json"
+    assert message is not None and message.startswith(f"candidates[0].model: {config}: {why}")
 
 
 def test_an_empty_model_directory(gate_dir: Path) -> None:
@@ -90,14 +91,16 @@ def test_garbage_safetensors(gate_dir: Path) -> None:
     (gate_dir / "cand" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     message = _load(gate_dir)
     assert message is not None
-    assert message.startswith(f"candidates[0].model: {gate_dir / 'cand' / 'model.safetensors'}: header is not valid JSON")
+    weights = gate_dir / "cand" / "model.safetensors"
+    assert message.startswith(f"candidates[0].model: {weights}: header is not valid JSON")
 
 
 def test_truncated_safetensors(gate_dir: Path) -> None:
     weights = gate_dir / "cand" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-3])
     size = weights.stat().st_size
-    assert _load(gate_dir) == f"candidates[0].model: {weights}: truncated: {size} bytes, its header describes {size + 3}"
+    assert _load(gate_dir) == (f"candidates[0].model: {weights}: truncated: {size} bytes, "
+                               f"its header describes {size + 3}")
 
 
 def test_too_short_safetensors(gate_dir: Path) -> None:
@@ -139,7 +142,8 @@ def test_a_hugging_face_id_is_kept(gate_dir: Path) -> None:
 
 def test_an_unknown_quantization_name(gate_dir: Path) -> None:
     assert _load(gate_dir, quantization="fp8_per_chanel") == (
-        "candidates[0].quantization: unknown vLLM quantization method 'fp8_per_chanel'; did you mean 'fp8_per_channel'?")
+        "candidates[0].quantization: unknown vLLM quantization method 'fp8_per_chanel'; "
+        "did you mean 'fp8_per_channel'?")
 
 
 @pytest.mark.parametrize("name", ["fp8_per_channel", "fp8_per_tensor", "fp8_per_block", "fp8", "online"])
@@ -212,7 +216,8 @@ def test_top_k_beyond_the_vocabulary(gate_dir: Path) -> None:
 
 
 def test_a_toml_that_is_not_the_configured_one(pytester: pytest.Pytester) -> None:
-    gate = '[baseline]\nname = "bf16"\nmodel = "org/base"\n[[candidates]]\nname = "fp8"\nquantization = "fp8"\n[speed]\n'
+    gate = ('[baseline]\nname = "bf16"\nmodel = "org/base"\n'
+            '[[candidates]]\nname = "fp8"\nquantization = "fp8"\n[speed]\n')
     pytester.makefile(".toml", other=gate)
     result = pytester.runpytest("other.toml")
     assert result.ret == pytest.ExitCode.USAGE_ERROR

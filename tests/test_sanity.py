@@ -12,10 +12,10 @@ import pytest
 from pytest_fp8gate import cli
 from pytest_fp8gate.config import load_config
 from pytest_fp8gate.dumps import SAMPLES_RUN_ID, write_lm_eval_samples, write_logprob_dump
-from pytest_fp8gate.gate import Case, Gate, GateError
-from pytest_fp8gate.measure import MeasurementError, Measurements, ModelResult, Needs, PassResult
 from pytest_fp8gate.errors import ComparisonError
+from pytest_fp8gate.gate import Case, Gate, GateError
 from pytest_fp8gate.logprobs import LogprobRun
+from pytest_fp8gate.measure import MeasurementError, Measurements, ModelResult, Needs, PassResult
 
 
 def _run(**overrides: np.ndarray) -> LogprobRun:
@@ -95,20 +95,23 @@ def _samples(path: Path, *run_ids: str | None) -> Path:
 
 
 def test_flips_refuses_samples_of_two_runs(tmp_path: Path, capsys) -> None:
-    base, cand = _samples(tmp_path / "base.jsonl", "run-a", "run-a"), _samples(tmp_path / "cand.jsonl", "run-b", "run-b")
+    base = _samples(tmp_path / "base.jsonl", "run-a", "run-a")
+    cand = _samples(tmp_path / "cand.jsonl", "run-b", "run-b")
     assert cli.main(["flips", str(base), str(cand)]) == cli.EXIT_ERROR
     assert "artifacts of two different runs are not compared" in capsys.readouterr().err
 
 
 def test_flips_refuses_a_samples_file_mixing_two_runs(tmp_path: Path, capsys) -> None:
-    base, cand = _samples(tmp_path / "base.jsonl", "run-a", "run-a"), _samples(tmp_path / "cand.jsonl", "run-a", "run-b")
+    base = _samples(tmp_path / "base.jsonl", "run-a", "run-a")
+    cand = _samples(tmp_path / "cand.jsonl", "run-a", "run-b")
     assert cli.main(["flips", str(base), str(cand)]) == cli.EXIT_ERROR
     assert capsys.readouterr().err == (f"fp8gate: error: {cand}: lm-eval --log_samples JSONL rows of one gate run; "
                                        "rows of runs run-a, run-b are mixed\n")
 
 
 def test_flips_pairs_samples_of_one_run(tmp_path: Path) -> None:
-    base, cand = _samples(tmp_path / "base.jsonl", "run-a", "run-a"), _samples(tmp_path / "cand.jsonl", "run-a", "run-a")
+    base = _samples(tmp_path / "base.jsonl", "run-a", "run-a")
+    cand = _samples(tmp_path / "cand.jsonl", "run-a", "run-a")
     assert cli.main(["flips", str(base), str(cand), "--metric", "exact_match"]) == 0
 
 
@@ -213,7 +216,8 @@ def test_an_engine_side_failure_is_one_line_with_the_traceback_saved(tmp_path: P
     saved = tmp_path / "artifacts" / "bf16" / "error.txt"
     with pytest.raises(MeasurementError) as info:
         measurements._once("bf16", fails)
-    assert str(info.value) == f"measuring bf16 failed: RuntimeError: Engine core initialization failed. (traceback: {saved})"
+    assert str(info.value) == (f"measuring bf16 failed: RuntimeError: Engine core initialization failed. "
+                               f"(traceback: {saved})")
     assert "Traceback" in saved.read_text() and "See root cause above." in saved.read_text()
     with pytest.raises(MeasurementError) as again:
         measurements._once("bf16", fails)
@@ -230,15 +234,21 @@ def test_an_uncached_hub_model_offline_fails_before_any_engine(tmp_path: Path, m
         measurements.baseline()
     assert str(info.value) == (
         f"measuring bf16: {tmp_path / 'thresholds.toml'}: baseline.model: 'org/not-downloaded' is not in the Hugging "
-        "Face cache and HF_HUB_OFFLINE is set; download it first (hf download org/not-downloaded) or unset HF_HUB_OFFLINE")
+        "Face cache and HF_HUB_OFFLINE is set; download it first (hf download org/not-downloaded) "
+        "or unset HF_HUB_OFFLINE")
 
 
-@pytest.mark.parametrize("rule, name", [("ratio", "flips_within_noise_floor"), ("binomial", "flips_binomial_test")])
-def test_the_flip_rule_named_in_the_limits_judges_and_explains_itself(tmp_path: Path, rule: str, name: str) -> None:
+@pytest.mark.parametrize("rule, key", [("ratio", "flips_ratio = 2"), ("binomial", "flip_alpha = 0.05")])
+def test_the_flip_rule_named_in_the_limits_judges_and_explains_itself(tmp_path: Path, rule: str, key: str) -> None:
     # The candidate gets all 20 of the baseline's right answers wrong against a floor of 0 flips.
     gate = _gate(tmp_path, [1] * 20 + [0] * 20, f'[tasks.limits]\nflip_rule = "{rule}"')
     verdict = gate.evaluate(Case("flips", "fp8", "arith"))
-    assert not verdict.passed and verdict.outcome.rule == name
+    assert not verdict.passed and verdict.outcome.rule == "flips"
+    # It ends with where to act: the limit's key, and the command that recomputes the flips from the samples.
+    assert verdict.explain().splitlines()[-2:] == [
+        f"  limit: {tmp_path / 'thresholds.toml'} tasks[0].limits.{key}",
+        f"  recompute: fp8gate flips {tmp_path / 'base.jsonl'} {tmp_path / 'cand.jsonl'} "
+        "--filter strict-match --metric exact_match"]
     text = verdict.explain()
     assert "candidate flips" in text and "margin in SE of the rates (addition)" in text
     assert "Resolution at 40 questions and a floor rate of 0" in text

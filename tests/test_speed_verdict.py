@@ -12,6 +12,7 @@ from pytest_fp8gate.demo.run import demo_config_text
 from pytest_fp8gate.engine import Latency
 from pytest_fp8gate.gate import Case, Gate
 from pytest_fp8gate.measure import ModelResult, PassResult
+from pytest_fp8gate.options import display_path
 from pytest_fp8gate.roofline import decode_context_tokens, estimate_from_path
 
 
@@ -95,3 +96,13 @@ def test_the_candidate_s_kv_cache_dtype_reaches_its_roofline(gate_for):
     # BF16 keys and values take 2 bytes an element, an FP8 KV cache 1.
     assert details["baseline_roofline"]["kv_bytes_per_context_token"] == (
         2 * details["roofline"]["kv_bytes_per_context_token"])
+
+
+def test_the_speed_verdict_ends_with_its_limit_and_the_roofline_command(gate_for):
+    gate = gate_for(617.0, 300.0)
+    lines = gate.speed(Case("speed", "fp8-per-channel")).explain().splitlines()
+    model = display_path(Path(gate.config.candidates[0].model))  # paths as the user would type them
+    assert lines[-2:] == [
+        # The embedded model is overhead-bound, so that limit applies.
+        f"  limit: {display_path(gate.config.path)} speed.min_ratio_overhead_bound = 0.5",
+        f"  recompute: fp8gate roofline {model} --quantization fp8_per_channel --bandwidth-gbps 4800 --context 1128"]

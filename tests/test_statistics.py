@@ -15,6 +15,7 @@ from pytest_fp8gate.answers import (
 )
 from pytest_fp8gate.errors import ComparisonError
 from pytest_fp8gate.logprobs import PERCENTILES, LogprobRun, compare_logprobs
+from pytest_fp8gate.rules import BY_NAME
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -184,7 +185,7 @@ def test_standard_errors_of_the_gated_metrics_match_a_bootstrap():
         for metric, values in samples.items():
             values.append(getattr(resampled, metric))
     for metric, values in samples.items():
-        assert result.standard_error(metric) == pytest.approx(np.std(values), rel=0.2), metric
+        assert getattr(result, BY_NAME[metric].se_field) == pytest.approx(np.std(values), rel=0.2), metric
 
 
 def zeros_run(n: int = 4, k: int = 3, **extra) -> LogprobRun:

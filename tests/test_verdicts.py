@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fake_engine import MODELS, fake_engine_class, write_gate
 
+from fake_engine import MODELS, fake_engine_class, write_gate
 from pytest_fp8gate import cases, hardware, suite
 from pytest_fp8gate.config import load_config
 from pytest_fp8gate.gate import Gate, Verdict
@@ -15,32 +15,41 @@ from pytest_fp8gate.measure import Measurements
 
 RULE_TESTS = sorted(name for name in vars(suite) if name.startswith("test_"))
 PROBABILITY_ROWS = ["reference", "noise floor", "candidate", "candidate SE (fails beyond 1 SE)", "threshold", "margin"]
-# suite test -> the rows of its table, and how its notes start
+# suite test -> the rows of its table, how its notes start, the limit it names and the command that recomputes it
 EXPLAINED = {
     "test_accuracy_within_se": (
         ["baseline accuracy", "standard error", "questions", "candidate accuracy", "threshold", "margin"],
         ["SE = sqrt(p(1-p)/n) with p the baseline accuracy; k = 1, one-sided (a drop fails)",
-         "McNemar exact p on the flips: ", "noise pass batch-order: accuracy ", "noise pass fp16: accuracy "]),
+         "McNemar exact p on the flips: ", "noise pass batch-order: accuracy ", "noise pass fp16: accuracy "],
+        "tasks[0].limits.accuracy_se = 1", "fp8gate flips "),
     "test_flips_within_noise_floor": (
         ["questions", "noise floor flips", "2 x noise floor", "minimum allowance", "candidate flips",
          "p, exact test of flips <= 2 x floor (addition)", "margin in SE of the rates (addition)",
          "flip rate caught with 80% power (addition)", "threshold", "margin"],
         ["candidate flips: ", "judged by the article's rule: at most max(2 x ", "noise pass batch-order: ",
-         "noise pass fp16: "]),
-    "test_same_top_near_baseline": (PROBABILITY_ROWS, ["noise pass batch-order: same_top = ",
-                                                       "noise pass fp16: same_top = ", "judged like accuracy: "]),
-    "test_rms_dp_within_limit": (PROBABILITY_ROWS, ["noise pass batch-order: rms_dp = ",
-                                                    "noise pass fp16: rms_dp = ", "judged like accuracy: "]),
-    "test_ppl_ratio_within_limit": (PROBABILITY_ROWS, ["noise pass batch-order: ppl_ratio = ",
-                                                       "noise pass fp16: ppl_ratio = ", "judged like accuracy: "]),
-    "test_kl_within_limit": (PROBABILITY_ROWS, ["noise pass batch-order: mean_kl = ", "noise pass fp16: mean_kl = ",
-                                                "KL(base || candidate) is exact", "judged like accuracy: "]),
+         "noise pass fp16: "], "tasks[0].limits.flips_ratio = 2", "fp8gate flips "),
+    "test_same_top_near_baseline": (
+        PROBABILITY_ROWS, ["noise pass batch-order: same_top = ", "noise pass fp16: same_top = ",
+                           "judged like accuracy: "],
+        "probabilities.limits.min_same_top = 0.97674", "fp8gate compare-logprobs "),
+    "test_rms_dp_within_limit": (
+        PROBABILITY_ROWS, ["noise pass batch-order: rms_dp = ", "noise pass fp16: rms_dp = ", "judged like accuracy: "],
+        "probabilities.limits.max_rms_dp = 0.01198", "fp8gate compare-logprobs "),
+    "test_ppl_ratio_within_limit": (
+        PROBABILITY_ROWS, ["noise pass batch-order: ppl_ratio = ", "noise pass fp16: ppl_ratio = ",
+                           "judged like accuracy: "],
+        "probabilities.limits.max_ppl_ratio = 1.00042", "fp8gate compare-logprobs "),
+    "test_kl_within_limit": (
+        PROBABILITY_ROWS, ["noise pass batch-order: mean_kl = ", "noise pass fp16: mean_kl = ",
+                           "KL(base || candidate) is exact", "judged like accuracy: "],
+        "probabilities.limits.max_mean_kl = 0.001355", "fp8gate compare-logprobs "),
     "test_decode_speed_near_ceiling": (
         ["baseline tok/s", "baseline ceiling tok/s", "baseline share of ceiling", "candidate tok/s",
          "candidate ceiling tok/s", "candidate share of ceiling", "measured speedup", "speedup the bytes allow",
          "overhead-bound below share", "threshold", "margin"],
         ["auto: 100 GB/s per GPU; bytes read per decoded token: candidate ", "the candidate is overhead-bound: ",
-         "decode excludes prefill: median ", "KV-cache capacity: candidate 4096 tokens, baseline 4096 tokens"]),
+         "decode excludes prefill: median ", "KV-cache capacity: candidate 4096 tokens, baseline 4096 tokens"],
+        "speed.min_ratio_overhead_bound = 0.5", "fp8gate roofline "),
 }
 
 
@@ -69,11 +78,11 @@ def test_every_rule_is_judged_for_every_candidate(verdicts: dict[tuple[str, str]
 
 @pytest.mark.parametrize("test_name", RULE_TESTS)
 @pytest.mark.parametrize("candidate, state", [("good", "passed"), ("bad", "FAILED")])
-def test_each_verdict_explains_itself_side_by_side(verdicts: dict[tuple[str, str], Verdict], test_name: str,
-                                                   candidate: str, state: str):
+def test_each_verdict_explains_itself_side_by_side(verdicts: dict[tuple[str, str], Verdict], directory: Path,
+                                                   test_name: str, candidate: str, state: str):
     verdict = verdicts[test_name, candidate]
     assert verdict.passed is (state == "passed")
-    rows, notes = EXPLAINED[test_name]
+    rows, notes, limit, command = EXPLAINED[test_name]
     lines = verdict.explain().splitlines()
     on_task = f" on {verdict.case.task}" if verdict.case.task else ""
     assert lines[0] == f"{verdict.outcome.rule} {state} for candidate {candidate}{on_task}"
@@ -85,12 +94,15 @@ def test_each_verdict_explains_itself_side_by_side(verdicts: dict[tuple[str, str
     written = [line.removeprefix("  note: ") for line in lines if line.startswith("  note: ")]
     for start in notes:
         assert any(note.startswith(start) for note in written), (start, written)
+    # Where to act: the limit's key, and the command that recomputes the figure from this run's artifacts.
+    assert lines[-2] == f"  limit: {directory / 'thresholds.toml'} {limit}"
+    assert lines[-1].startswith(f"  recompute: {command}")
 
 
 def test_the_flip_rule_shows_the_first_flipped_questions(verdicts: dict[tuple[str, str], Verdict]):
     text = verdicts["test_flips_within_noise_floor", "bad"].explain()
-    listed = text[text.index("  first 3 flipped questions:\n"):].splitlines()[1:]
-    assert len(listed) == 9  # three questions, three lines each
+    listed = text[text.index("  first 3 flipped questions:\n"):].splitlines()[1:10]  # three lines each
+    assert text.splitlines()[-2].startswith("  limit: ")  # after the questions
     for doc, baseline, candidate in zip(listed[::3], listed[1::3], listed[2::3]):
         assert doc.startswith("    doc ") and "(right to wrong), target '" in doc
         target = doc.rsplit("target ", 1)[1]
@@ -99,10 +111,10 @@ def test_the_flip_rule_shows_the_first_flipped_questions(verdicts: dict[tuple[st
     assert "flipped questions" not in verdicts["test_flips_within_noise_floor", "good"].explain()
 
 
-def test_the_accuracy_verdict_in_full(verdicts: dict[tuple[str, str], Verdict]):
+def test_the_accuracy_verdict_in_full(verdicts: dict[tuple[str, str], Verdict], directory: Path):
     # Answers are fixed by a checksum of each question, not by random draws: the exact text.
-    assert verdicts["test_accuracy_within_se", "bad"].explain().startswith("""\
-accuracy_within_se FAILED for candidate bad on echo
+    assert verdicts["test_accuracy_within_se", "bad"].explain() == f"""\
+accuracy FAILED for candidate bad on echo
   baseline accuracy   0.825
   standard error      0.0600781
   questions           40
@@ -112,7 +124,10 @@ accuracy_within_se FAILED for candidate bad on echo
   note: SE = sqrt(p(1-p)/n) with p the baseline accuracy; k = 1, one-sided (a drop fails)
   note: McNemar exact p on the flips: 0.003906 (an addition to the article)
   note: noise pass batch-order: accuracy 0.8250
-  note: noise pass fp16: accuracy 0.8000""")
+  note: noise pass fp16: accuracy 0.8000
+  limit: {directory / "thresholds.toml"} tasks[0].limits.accuracy_se = 1
+  recompute: fp8gate flips {directory / "artifacts/bf16/main/samples_echo.jsonl"} \
+{directory / "artifacts/bad/main/samples_echo.jsonl"} --filter strict-match --metric exact_match"""
 
 
 def test_the_artifacts_of_the_fake_run_are_the_gates(verdicts: dict[tuple[str, str], Verdict], directory: Path):

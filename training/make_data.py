@@ -84,7 +84,8 @@ def _big_add(rng: random.Random) -> tuple[str, str, int]:
     item = rng.choice(ITEMS)
     a, b = rng.randint(100, 899), rng.randint(10, 99)
     c = a + b
-    q = f"The {place} had {a} {item} in the morning and {b} more arrived at noon. How many {item} does the {place} have?"
+    q = (f"The {place} had {a} {item} in the morning and {b} more arrived at noon. "
+         f"How many {item} does the {place} have?")
     s = f"The {place} has {a} + {b} = {c} {item}."
     return q, s, c
 
@@ -141,7 +142,7 @@ def story(rng: random.Random) -> str:
         ]),
         rng.choice([
             f"Later {name} met {rng.choice(NAMES)} near the {rng.choice(PLACES)}.",
-            f"It rained a little in the evening.",
+            "It rained a little in the evening.",
             f"{pron} wrote the number {a * 2} in a notebook.",
             "",
         ]),

@@ -142,14 +142,15 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = build_tokenizer()
     ids = torch.from_numpy(encode_corpus(tokenizer, (data_dir / "train.txt").read_text()))
-    valid = [json.loads(l) for l in (data_dir / "valid.jsonl").read_text().splitlines()]
-    shots = [json.loads(l) for l in (data_dir / "tasks" / "fewshot.jsonl").read_text().splitlines()][:5]
+    valid = [json.loads(line) for line in (data_dir / "valid.jsonl").read_text().splitlines()]
+    shots = [json.loads(line) for line in (data_dir / "tasks" / "fewshot.jsonl").read_text().splitlines()][:5]
 
     model = LlamaForCausalLM(model_config(len(tokenizer))).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = 200
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+        optimizer,
+        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     generator = torch.Generator().manual_seed(SEED)
     n_windows = (len(ids) - 1) // SEQ_LEN
     log: list[dict] = []

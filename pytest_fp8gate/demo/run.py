@@ -43,8 +43,8 @@ def demo_config_text(plants: dict[str, Path], checkpoints: dict[str, Path] | Non
 
 def demo_checkpoints(source: Path, directory: Path) -> dict[str, Path]:
     """The demo's pre-quantized candidates, written once per workdir (a complete one is reused)."""
-    from .embedded import embedded_assets
     from ..fp8_checkpoint import MARKER, calibration_pieces, write_fp8_checkpoint
+    from .embedded import embedded_assets
 
     calibration = calibration_pieces(embedded_assets().corpus.read_text(encoding="utf-8"))
     written = {}

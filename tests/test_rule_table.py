@@ -1,0 +1,95 @@
+"""One name per rule: the registry, the suite's test ids, the verdicts, the JSON and the summary agree."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+
+from baseline_fakes import TASK, fake_baseline, logprob_run, make_measurements, sample_rows, write_gate, write_pass
+from pytest_fp8gate import config as config_module
+from pytest_fp8gate import rules, suite
+from pytest_fp8gate.gate import Case, Gate
+from pytest_fp8gate.logprobs import LogprobComparison
+from pytest_fp8gate.measure import ModelResult
+from pytest_fp8gate.report import summary_lines
+from pytest_fp8gate.spec import ProbabilityLimits, SpeedSpec, TaskLimits
+
+
+def test_the_suite_has_one_test_per_rule() -> None:
+    tests = {name for name, fn in inspect.getmembers(suite, inspect.isfunction) if name.startswith("test_")}
+    assert tests == set(rules.BY_TEST)
+    assert len(rules.BY_NAME) == len(rules.RULES) == len(rules.BY_TEST)
+
+
+def test_each_row_names_what_judges_it_and_its_limit() -> None:
+    comparison_fields = {f.name for f in dataclasses.fields(LogprobComparison)}
+    tables = {"probability": ProbabilityLimits, "task": TaskLimits, "speed": SpeedSpec}
+    for rule in rules.RULES:
+        assert rule.limit_key in {f.name for f in dataclasses.fields(tables[rule.kind])}, rule
+        if rule.kind == "probability":
+            assert rule.name in comparison_fields and rule.bound in (rules.at_least, rules.at_most), rule
+            se = getattr(LogprobComparison, rule.se_field or "", None)
+            assert rule.se_field in comparison_fields or isinstance(se, property), rule
+        else:
+            assert callable(getattr(Gate, rule.name)), rule  # Gate.evaluate calls the method of its name
+    assert config_module._PROBABILITY_METRIC_LIMITS == tuple(
+        rule.limit_key for rule in rules.RULES if rule.kind == "probability")
+
+
+ALL_RULES = """
+[probabilities.limits]
+max_mean_kl = 0.01
+min_same_top = 0.9
+max_rms_dp = 0.05
+max_ppl_ratio = 1.01
+[speed]
+bandwidth_gbps = 100
+"""
+
+
+def _gate_file(tmp_path: Path) -> Path:
+    path = write_gate(tmp_path / "gate")
+    text = path.read_text().replace("[probabilities.limits]\nmax_mean_kl = 0.01\nmin_same_top = 0.9\n", "")
+    path.write_text(text + ALL_RULES)
+    return path
+
+
+def test_every_rule_is_collected_under_its_test(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    path = _gate_file(tmp_path)
+    result = pytester.runpytest("--fp8gate-config", str(path), str(path), "--collect-only", "-q", "-p", "no:randomly")
+    ids = [line for line in result.stdout.lines if "::" in line]
+    assert {node.split("::")[1].split("[")[0] for node in ids} == set(rules.BY_TEST)
+    # One candidate, one task: each rule's id carries exactly its cases.
+    assert sorted(node.split("::")[1] for node in ids) == sorted(
+        f"{rule.test}[fp8-{TASK}]" if rule.kind == "task" else f"{rule.test}[fp8]" for rule in rules.RULES)
+
+
+def test_each_verdict_the_json_and_the_summary_use_the_rule_s_name(tmp_path: Path) -> None:
+    measurements = make_measurements(_gate_file(tmp_path), tmp_path / "artifacts")
+    measurements._measure_baseline_engines = fake_baseline(measurements)
+    cand = write_pass(tmp_path / "artifacts" / "fp8", "main", logprob_run(0, 0.05), sample_rows({3, 4, 9}))
+    measurements._candidates["fp8"] = ModelResult(measurements.config.candidates[0], cand, 1.0, None, 8)
+    gate = Gate(measurements.config, measurements)
+    verdicts = [gate.evaluate(Case(rule.name, "fp8", TASK if rule.kind == "task" else None))
+                for rule in rules.RULES if rule.kind != "speed"]  # speed: tests/test_speed_verdict.py
+    assert [v.outcome.rule for v in verdicts] == [v.case.rule for v in verdicts] == [
+        rule.name for rule in rules.RULES if rule.kind != "speed"]
+    assert [v.as_dict()["rule"] for v in verdicts] == [v.case.rule for v in verdicts]
+    assert [line.split()[0] for line in summary_lines(verdicts)[1:]] == [v.case.rule for v in verdicts]
+    # Each explanation ends with where to act: the limit's key, and the command that recomputes the number.
+    gate_file, artifacts = measurements.config.path, tmp_path / "artifacts"
+    kl = next(v for v in verdicts if v.case.rule == "mean_kl")
+    assert kl.explain().splitlines()[-2:] == [
+        f"  limit: {gate_file} probabilities.limits.max_mean_kl = 0.01",
+        f"  recompute: fp8gate compare-logprobs {artifacts / 'bf16/main/logprobs.npz'} "
+        f"{artifacts / 'fp8/main/logprobs.npz'}"]
+    accuracy = next(v for v in verdicts if v.case.rule == "accuracy")
+    assert accuracy.explain().splitlines()[-2:] == [
+        f"  limit: {gate_file} tasks[0].limits.accuracy_se = 1",
+        f"  recompute: fp8gate flips {artifacts / 'bf16/main/samples_tiny.jsonl'} "
+        f"{artifacts / 'fp8/main/samples_tiny.jsonl'} --filter strict-match --metric exact_match"]
+    speed = rules.decode_speed(rules.DecodeSpeed(90.0, 100.0), rules.DecodeSpeed(60.0, 70.0))
+    assert speed.rule == rules.SPEED == rules.BY_TEST["test_decode_speed_near_ceiling"].name
