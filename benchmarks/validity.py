@@ -45,8 +45,8 @@ from pytest_fp8gate.corpus import chunk_corpus
 from pytest_fp8gate.demo.run import DEMO_CONFIG
 from pytest_fp8gate.engine import Engine
 from pytest_fp8gate.measure import NOISE_BATCH_SIZE
-from pytest_fp8gate.demo.planting import Recipe, fp8_round_trip, write_transformed
-from pytest_fp8gate.answers import detectable_flip_rate
+from pytest_fp8gate.demo.planting import Recipe, bf16_reround, fp8_round_trip, write_transformed
+from pytest_fp8gate.answers import detectable_flip_rate, flip_rule_power
 from pytest_fp8gate.logprobs import LogprobComparison, LogprobRun, compare_logprobs
 
 STRETCHES = (5e3, 1e4, 2e4, 3e4)  # 2e4 is the shipped `mild` plant
@@ -78,20 +78,6 @@ class Figures:
     @property
     def failed(self) -> list[str]:
         return [rule for rule in RULE_ORDER if not self.verdicts[rule].passed]
-
-
-def rerounded(seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Stochastic re-rounding at BF16's own step: W + u * ulp(W), u ~ U(-1/2, 1/2), rounded up or down at random."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def transform(weight: torch.Tensor) -> torch.Tensor:
-        w = weight.to(torch.float32)
-        ulp = torch.where(w != 0, torch.exp2(torch.floor(torch.log2(w.abs())) - 7), torch.zeros_like(w))
-        u = torch.rand(w.shape, generator=generator) - 0.5
-        moves = torch.rand(w.shape, generator=generator) < u.abs()
-        return torch.where(moves, w + torch.sign(u) * ulp, w).to(weight.dtype)
-
-    return transform
 
 
 def gaussian(size: float, seed: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -255,19 +241,22 @@ def print_resolution(figures: list[Figures], floors: list[LogprobComparison], fl
     task, limits = config.tasks[0].limits, config.probabilities.limits
     print(f"\nResolution: the smallest true ratio over the noise floor caught with "
           f"{rules.DETECTION_POWER:.0%} power")
-    print(f"flips (analytic: floor and candidate counts independent binomials; floor rate = the nulls' mean "
-          f"flip rate {null_flip_rate:.4f}; the study's floor count gave {floor_flips_rate:.4f})")
-    rate = null_flip_rate if null_flip_rate > 0 else floor_flips_rate
-    for n in sorted({questions, 250, 500}):
+    print(f"flips (analytic: floor and candidate counts independent binomials, the rule's exact allowance). "
+          f"Floor rate {floor_flips_rate:.4f} (this study's floor count); a null flips at the nulls' mean rate "
+          f"{null_flip_rate:.4f}. 'caught': the true candidate rate failed with {rules.DETECTION_POWER:.0%} power; "
+          f"'false alarm': the chance the rule fails a null")
+    for n in sorted({questions, 100, 250, 500}):
         cells = []
         for rule_name in rules.FLIP_RULES:
             def allowance(f: int, n: int = n, rule_name: str = rule_name) -> float:
                 return rules.flip_allowance(f, n, task.flips_ratio, task.min_flip_allowance, rule_name,
                                             task.flip_alpha)
-            caught = detectable_flip_rate(allowance, rate, n, rules.DETECTION_POWER)
-            cells.append(f"{rule_name}: rate {caught:.4f} = {caught / rate:.2f} x floor" if rate > 0
-                         else f"{rule_name}: rate {caught:.4f}")
-        print(f"  {n:>4} questions{' (demo default)' if n == questions else ''}: " + "; ".join(cells))
+            caught = detectable_flip_rate(allowance, floor_flips_rate, n, rules.DETECTION_POWER)
+            false_alarm = flip_rule_power(allowance, floor_flips_rate, null_flip_rate, n)
+            cells.append(f"{rule_name}: caught {caught:.4f} ({caught / floor_flips_rate:.2f} x floor), "
+                         f"false alarm {false_alarm:.2%}" if floor_flips_rate > 0
+                         else f"{rule_name}: caught {caught:.4f}, false alarm {false_alarm:.2%}")
+        print(f"  {n:>4} questions{' (this run)' if n == questions else ''}: " + "; ".join(cells))
     floor = max(floors, key=lambda c: c.mean_kl)
     relative_se = float(np.median([f.comparison.kl_se / f.comparison.mean_kl for f in figures
                                    if f.comparison.mean_kl > 0]))
@@ -309,7 +298,7 @@ def main() -> None:
     floors = [base_passes["batch-order"], run_engine(baseline, config, prompts, {}, dtype="float16")["main"]]
 
     builds: list[tuple[str, str, Callable[[torch.Tensor], torch.Tensor] | None]] = [
-        *((f"bf16-reround-{seed}", "null", rerounded(seed)) for seed in range(1, args.nulls + 1)),
+        *((f"bf16-reround-{seed}", "null", bf16_reround(seed)) for seed in range(1, args.nulls + 1)),
         *((f"stretch-{s:g}", "regression", stretched(s)) for s in STRETCHES[:args.severities]),
         *((f"gauss-{size:g}", "regression", gaussian(size)) for size in NOISE_SIZES[:args.severities]),
     ]
