@@ -53,6 +53,7 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/root/fp8gate-gpu-check"))
     parser.add_argument("--parts", default="shape,demo", help="Comma-separated: shape, demo")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--plants", default="", help="Comma-separated plant kinds the demo part adds as candidates")
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--chunks", type=int, default=100)
     parser.add_argument("--chunk-tokens", type=int, default=2048)
@@ -105,6 +106,7 @@ def _demo(args: argparse.Namespace) -> list[str]:
     report = workdir / "report.json"
     command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir),
                *(["--cuda"] if args.device == "cuda" else []),
+               *(f"--plant={kind}" for kind in args.plants.split(",") if kind),
                "--", "--json-report", f"--json-report-file={report}", "-p", "no:randomly"]
     code, seconds = _run(command, args.workdir / "demo.log", 1200)
     lines = [f"(a) demo gate, {'CUDA config' if args.device == 'cuda' else 'CPU config'}: "

@@ -5,9 +5,9 @@ Run: HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 flock /tmp/fp8gate-engine.lock \
 
 One baseline engine (the embedded BF16 model with the demo's engine settings, engine
 core in-process as the demo runs it) scores the demo's corpus and answers the first N
-task questions once; the same engine then gives the batch-order noise pass and the
-order-changed null candidates. The FP16 build gives the other noise pass; the floor is
-the worse of the two, as in the gate. Every other candidate is one engine start.
+task questions once, through lm-eval and the gate's own adapter as the demo does; the
+same engine then gives the batch-order noise pass and the order-changed null candidates.
+The FP16 build gives the other noise pass; the floor is the worse of the two, as in the gate. Every other candidate is one engine start.
 
 - Null candidates, equally valid BF16 builds: the baseline re-served in other request
   orders and batch sizes, and copies whose linear weights were stochastically
@@ -16,7 +16,7 @@ the worse of the two, as in the gate. Every other candidate is one engine start.
 - Graded regressions: the `mild` plant's stretched per-tensor FP8 scale at four
   stretches, and Gaussian weight noise (which reproduces flips, Dutta et al.) at four
   sizes relative to each matrix's RMS.
-- vLLM's online fp8_per_channel as the reference good FP8 build.
+- vLLM's online fp8_per_channel as the reference FP8 build.
 
 Every candidate is judged with the gate's own rule functions and the demo's limits.
 Resolution: flips analytically (both counts binomial, rules' exact allowance), KL by
@@ -30,21 +30,32 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
-from plant_kl import strict_answers, task_prompts
 
 from pytest_fp8gate import rules
-from pytest_fp8gate.answers import detectable_flip_rate
+from pytest_fp8gate.answers import (
+    AnswerRecord,
+    compare_answers,
+    detectable_flip_rate,
+    flip_rule_power,
+)
 from pytest_fp8gate.config import load_config
 from pytest_fp8gate.corpus import chunk_corpus
-from pytest_fp8gate.demo.planting import Recipe, fp8_round_trip, write_transformed
+from pytest_fp8gate.demo.planting import (
+    Recipe,
+    bf16_reround,
+    fp8_round_trip,
+    write_transformed,
+)
 from pytest_fp8gate.demo.run import DEMO_CONFIG
+from pytest_fp8gate.dumps import read_lm_eval_samples
 from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine
+from pytest_fp8gate.lm_adapter import run_task, task_manager
 from pytest_fp8gate.logprobs import LogprobComparison, LogprobRun, compare_logprobs
 from pytest_fp8gate.measure import BATCH_ORDER
 from pytest_fp8gate.spec import GateConfig, ModelSpec
@@ -59,7 +70,7 @@ RULE_ORDER = ("same_top", "rms_dp", "ppl_ratio", "mean_kl", "accuracy", "flips",
 @dataclass(frozen=True)
 class Measured:
     run: LogprobRun
-    answers: list[str | None]
+    answers: list[AnswerRecord]  # graded by lm-eval through the gate's own adapter, as in the demo
 
 
 @dataclass(frozen=True)
@@ -80,20 +91,6 @@ class Figures:
         return [rule for rule in RULE_ORDER if not self.verdicts[rule].passed]
 
 
-def rerounded(seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Stochastic re-rounding at BF16's own step: W + u * ulp(W), u ~ U(-1/2, 1/2), rounded up or down at random."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def transform(weight: torch.Tensor) -> torch.Tensor:
-        w = weight.to(torch.float32)
-        ulp = torch.where(w != 0, torch.exp2(torch.floor(torch.log2(w.abs())) - 7), torch.zeros_like(w))
-        u = torch.rand(w.shape, generator=generator) - 0.5
-        moves = torch.rand(w.shape, generator=generator) < u.abs()
-        return torch.where(moves, w + torch.sign(u) * ulp, w).to(weight.dtype)
-
-    return transform
-
-
 def gaussian(size: float, seed: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
 
@@ -110,23 +107,28 @@ def stretched(stretch: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda weight: fp8_round_trip(recipe, weight)
 
 
-def run_engine(spec: ModelSpec, config: GateConfig, prompts: list[str], orders: dict[str, BatchLayout],
+def run_engine(spec: ModelSpec, config: GateConfig, orders: dict[str, BatchLayout], scratch: Path,
                dtype: str | None = None) -> dict[str, Measured]:
     """One engine start: the main pass and, in the same engine, one pass per request order."""
     assert config.probabilities is not None
+    task = config.tasks[0]
     engine = Engine(spec, max_logprobs=-1, dtype=dtype)
     try:
         pieces = chunk_corpus(engine, config.probabilities, config.path)
-        passes = {"main": ALL_AT_ONCE, **orders}
-        return {label: Measured(engine.prompt_logprobs(pieces, top_k=config.probabilities.top_k, full_vocab=True,
-                                                        layout=layout),
-                                strict_answers(engine, prompts, layout))
-                for label, layout in passes.items()}
+        measured = {}
+        for label, layout in {"main": ALL_AT_ONCE, **orders}.items():
+            directory = scratch / "samples" / f"{spec.name}-{dtype or 'auto'}-{label}"
+            directory.mkdir(parents=True)
+            samples = run_task(engine, task, directory, task_manager(config.tasks), "validity", layout)
+            measured[label] = Measured(
+                engine.prompt_logprobs(pieces, top_k=config.probabilities.top_k, full_vocab=True, layout=layout),
+                read_lm_eval_samples(samples, filter_name=task.filter, metric=task.metric))
+        return measured
     finally:
         engine.shutdown()
 
 
-def judge(name: str, group: str, base: Measured, cand: Measured, floors: list[Measured], golds: list[str],
+def judge(name: str, group: str, base: Measured, cand: Measured, floors: list[Measured],
           config: GateConfig) -> Figures:
     """The demo gate's verdicts on measured numbers, as Gate.probability/accuracy/flips compute them."""
     assert config.probabilities is not None
@@ -139,12 +141,12 @@ def judge(name: str, group: str, base: Measured, cand: Measured, floors: list[Me
         ideal = rule.ideal
         worst = max((getattr(c, rule.name) for c in floor_comparisons), key=lambda v: abs(v - ideal))
         verdicts[rule.name] = rule.bound(rule.name, getattr(comparison, rule.name), getattr(limits, rule.limit_key),
-                                         worst, limits.floor_ratio, ideal=ideal,
+                                         worst, limits.floor_ratio_for(rule.name), ideal=ideal,
                                          measured_se=getattr(comparison, rule.se_field) or 0.0, k_se=limits.limit_se)
-    n = len(golds)
-    flips = count_flips(base, cand, golds)
-    floor_flips = max(count_flips(base, f, golds) for f in floors)
-    verdicts["accuracy"] = rules.accuracy_within_se(accuracy(base, golds), accuracy(cand, golds), n,
+    answers = compare_answers(base.answers, cand.answers)
+    n, flips = answers.questions, answers.flips
+    floor_flips = max(count_flips(base, f) for f in floors)
+    verdicts["accuracy"] = rules.accuracy_within_se(answers.accuracy_base, answers.accuracy_cand, n,
                                                     k=task.accuracy_se)
     for key, rule_name in (("flips", rules.FLIP_RATIO), ("flips_binomial", rules.FLIP_BINOMIAL)):
         verdicts[key] = rules.flips_within_noise_floor(flips, floor_flips, n, ratio=task.flips_ratio,
@@ -152,17 +154,13 @@ def judge(name: str, group: str, base: Measured, cand: Measured, floors: list[Me
                                                        rule=rule_name, alpha=task.flip_alpha)
     floor_kl = max(c.mean_kl for c in floor_comparisons)
     floor_disagreement = max(1 - c.same_top for c in floor_comparisons)
-    return Figures(name, group, comparison, accuracy(cand, golds), flips, verdicts,
+    return Figures(name, group, comparison, answers.accuracy_cand, flips, verdicts,
                    _ratio(comparison.mean_kl, floor_kl), _ratio(1 - comparison.same_top, floor_disagreement))
 
 
-def accuracy(measured: Measured, golds: list[str]) -> float:
-    return sum(a == g for a, g in zip(measured.answers, golds)) / len(golds)
-
-
-def count_flips(base: Measured, cand: Measured, golds: list[str]) -> int:
+def count_flips(base: Measured, cand: Measured) -> int:
     """Questions graded differently (right vs wrong), the article's flips."""
-    return sum((a == g) != (b == g) for a, b, g in zip(base.answers, cand.answers, golds))
+    return compare_answers(base.answers, cand.answers).flips
 
 
 def _ratio(value: float, floor: float) -> float:
@@ -255,19 +253,22 @@ def print_resolution(figures: list[Figures], floors: list[LogprobComparison], fl
     task, limits = config.tasks[0].limits, config.probabilities.limits
     print(f"\nResolution: the smallest true ratio over the noise floor caught with "
           f"{rules.DETECTION_POWER:.0%} power")
-    print(f"flips (analytic: floor and candidate counts independent binomials; floor rate = the nulls' mean "
-          f"flip rate {null_flip_rate:.4f}; the study's floor count gave {floor_flips_rate:.4f})")
-    rate = null_flip_rate if null_flip_rate > 0 else floor_flips_rate
-    for n in sorted({questions, 250, 500}):
+    print(f"flips (analytic: floor and candidate counts independent binomials, the rule's exact allowance). "
+          f"Floor rate {floor_flips_rate:.4f} (this study's floor count); a null flips at the nulls' mean rate "
+          f"{null_flip_rate:.4f}. 'caught': the true candidate rate failed with {rules.DETECTION_POWER:.0%} power; "
+          f"'false alarm': the chance the rule fails a null")
+    for n in sorted({questions, 100, 250, 500}):
         cells = []
         for rule_name in rules.FLIP_RULES:
             def allowance(f: int, n: int = n, rule_name: str = rule_name) -> float:
                 return rules.flip_allowance(f, n, task.flips_ratio, task.min_flip_allowance, rule_name,
                                             task.flip_alpha)
-            caught = detectable_flip_rate(allowance, rate, n, rules.DETECTION_POWER)
-            cells.append(f"{rule_name}: rate {caught:.4f} = {caught / rate:.2f} x floor" if rate > 0
-                         else f"{rule_name}: rate {caught:.4f}")
-        print(f"  {n:>4} questions{' (demo default)' if n == questions else ''}: " + "; ".join(cells))
+            caught = detectable_flip_rate(allowance, floor_flips_rate, n, rules.DETECTION_POWER)
+            false_alarm = flip_rule_power(allowance, floor_flips_rate, null_flip_rate, n)
+            cells.append(f"{rule_name}: caught {caught:.4f} ({caught / floor_flips_rate:.2f} x floor), "
+                         f"false alarm {false_alarm:.2%}" if floor_flips_rate > 0
+                         else f"{rule_name}: caught {caught:.4f}, false alarm {false_alarm:.2%}")
+        print(f"  {n:>4} questions{' (this run)' if n == questions else ''}: " + "; ".join(cells))
     floor = max(floors, key=lambda c: c.mean_kl)
     relative_se = float(np.median([f.comparison.kl_se / f.comparison.mean_kl for f in figures
                                    if f.comparison.mean_kl > 0]))
@@ -280,10 +281,38 @@ def print_resolution(figures: list[Figures], floors: list[LogprobComparison], fl
         shrink = 1 / math.sqrt(scale)
         cells = []
         for factor in (None, 10.0, 20.0):
-            ratio = smallest_ratio(lambda r: kl_power(r, floor.mean_kl, floor.kl_se * shrink, relative_se * shrink,
-                                                      factor, limits.max_mean_kl, limits.limit_se, rng))
+            ratio = smallest_ratio(lambda r, shrink=shrink, factor=factor: kl_power(
+                r, floor.mean_kl, floor.kl_se * shrink, relative_se * shrink, factor, limits.max_mean_kl,
+                limits.limit_se, rng))
             cells.append(f"{'Q8_0 limit only' if factor is None else f'floor_ratio {factor:g}'}: {ratio:.1f} x")
-        print(f"  {chunks * scale:>4} chunks{' (demo default)' if scale == 1 else ''}: " + "; ".join(cells))
+        print(f"  {chunks * scale:>4} chunks{' (this run)' if scale == 1 else ''}: " + "; ".join(cells))
+
+
+def measure_all(config: GateConfig, nulls: int, severities: int,
+                scratch: Path) -> tuple[Measured, list[Measured], list[Figures]]:
+    """The baseline, its two noise passes, and every candidate judged against them."""
+    baseline = config.baseline
+    orders = {"batch-order": BATCH_ORDER, **ORDERS}
+    base_passes = run_engine(baseline, config, orders, scratch)
+    base = base_passes["main"]
+    floors = [base_passes["batch-order"], run_engine(baseline, config, {}, scratch, dtype="float16")["main"]]
+    builds: list[tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]] = [
+        *((f"bf16-reround-{seed}", "null", bf16_reround(seed)) for seed in range(1, nulls + 1)),
+        *((f"stretch-{s:g}", "regression", stretched(s)) for s in STRETCHES[:severities]),
+        *((f"gauss-{size:g}", "regression", gaussian(size)) for size in NOISE_SIZES[:severities]),
+    ]
+    figures = [judge(label, "null", base, base_passes[label], floors, config) for label in ORDERS]
+    figures.append(judge("fp8_per_channel", "reference", base,
+                         run_engine(replace(baseline, name="fp8", quantization="fp8_per_channel"), config,
+                                    {}, scratch)["main"], floors, config))
+    for name, group, transform in builds:
+        out = scratch / "builds" / name
+        out.mkdir(parents=True)
+        write_transformed(transform, Path(baseline.model), out)
+        measured = run_engine(replace(baseline, name=name, model=str(out)), config, {}, scratch)["main"]
+        figures.append(judge(name, group, base, measured, floors, config))
+        print(f"measured {name}", file=sys.stderr, flush=True)
+    return base, floors, figures
 
 
 def main() -> None:
@@ -297,46 +326,25 @@ def main() -> None:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
     config = load_config(DEMO_CONFIG)
-    Engine.prepare_process(config.deterministic_scheduling)
     assert config.probabilities is not None
     if args.chunks:
         config = replace(config, probabilities=replace(config.probabilities, chunks=args.chunks))
     questions = args.questions or config.tasks[0].limit
-    prompts, golds = task_prompts(questions)
-    baseline = config.baseline
-    orders = {"batch-order": BATCH_ORDER, **ORDERS}
-    base_passes = run_engine(baseline, config, prompts, orders)
-    base = base_passes["main"]
-    floors = [base_passes["batch-order"], run_engine(baseline, config, prompts, {}, dtype="float16")["main"]]
-
-    builds: list[tuple[str, str, Callable[[torch.Tensor], torch.Tensor] | None]] = [
-        *((f"bf16-reround-{seed}", "null", rerounded(seed)) for seed in range(1, args.nulls + 1)),
-        *((f"stretch-{s:g}", "regression", stretched(s)) for s in STRETCHES[:args.severities]),
-        *((f"gauss-{size:g}", "regression", gaussian(size)) for size in NOISE_SIZES[:args.severities]),
-    ]
-    figures = [judge(label, "null", base, base_passes[label], floors, golds, config) for label in ORDERS]
-    figures.append(judge("fp8_per_channel", "reference", base,
-                         run_engine(replace(baseline, name="fp8", quantization="fp8_per_channel"), config,
-                                    prompts, {})["main"], floors, golds, config))
-    with tempfile.TemporaryDirectory() as scratch:
-        for name, group, transform in builds:
-            out = Path(scratch) / name
-            out.mkdir()
-            write_transformed(transform, Path(baseline.model), out)
-            measured = run_engine(replace(baseline, name=name, model=str(out)), config, prompts, {})["main"]
-            figures.append(judge(name, group, base, measured, floors, golds, config))
-            print(f"measured {name}", file=sys.stderr, flush=True)
+    config = replace(config, tasks=[replace(config.tasks[0], limit=questions)])
+    Engine.prepare_process(config.deterministic_scheduling)
+    with tempfile.TemporaryDirectory(prefix="fp8gate-validity-") as temp:
+        base, floors, figures = measure_all(config, args.nulls, args.severities, Path(temp))
 
     floor_comparisons = [compare_logprobs(base.run, f.run) for f in floors]
-    floor_flips = max(count_flips(base, f, golds) for f in floors)
+    floor_flips = max(count_flips(base, f) for f in floors)
     nulls = [f for f in figures if f.group == "null"]
     regressions = [f for f in figures if f.group == "regression"]
     print(f"Embedded model, demo limits; {questions} questions, {floor_comparisons[1].positions} corpus positions; "
-          f"baseline accuracy {accuracy(base, golds):.2f}")
+          f"baseline accuracy {compare_answers(base.answers, base.answers).accuracy_base:.3f}")
     print("Noise floor: " + "; ".join(f"{label}: KL {c.mean_kl:.3g}, same top {c.same_top:.4%}"
                                       for label, c in zip(("batch-order", "fp16"), floor_comparisons))
-          + f"; floor flips {floor_flips} (batch-order {count_flips(base, floors[0], golds)}, "
-          f"fp16 {count_flips(base, floors[1], golds)}; the gate takes the worse)")
+          + f"; floor flips {floor_flips} (batch-order {count_flips(base, floors[0])}, "
+          f"fp16 {count_flips(base, floors[1])}; the gate takes the worse)")
     print_candidates("Table 1. Null candidates (equally valid BF16 builds)", nulls)
     print_rates("False alarms", nulls)
     print_candidates("Table 2. Graded regressions (and the fp8_per_channel reference)",

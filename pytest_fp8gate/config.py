@@ -229,12 +229,26 @@ _PROBABILITY_CHECKS = {
     "full_vocab": _full_vocab,
 }
 _PROBABILITY_KEYS = (*_PROBABILITY_CHECKS, "corpus", "limits")
+_PROBABILITY_RULE_NAMES = tuple(rule.name for rule in RULES if rule.kind == "probability")
+
+
+def _floor_ratio(value: Any) -> float | dict[str, float]:
+    """One factor for every probability rule, or a table of factors by rule name."""
+    if not isinstance(value, dict):
+        return _RATIO(value)
+    for name in value:
+        if name not in _PROBABILITY_RULE_NAMES:
+            raise _Invalid(f"unknown probability rule {name!r} in the table; "
+                           f"expected a number or a table of {', '.join(_PROBABILITY_RULE_NAMES)}")
+    return {name: _RATIO(factor) for name, factor in value.items()}
+
+
 _PROBABILITY_LIMIT_CHECKS = {
     "min_same_top": _POSITIVE_FRACTION,
     "max_rms_dp": _FRACTION,
     "max_mean_kl": _number(0),
     "max_ppl_ratio": _RATIO,
-    "floor_ratio": _RATIO,
+    "floor_ratio": _floor_ratio,
     "limit_se": _number(0),
 }
 _PROBABILITY_METRIC_LIMITS = tuple(rule.limit_key for rule in RULES if rule.kind == "probability")

@@ -149,7 +149,7 @@ class Gate:
         floor_values = {label: getattr(c, rule.name) for label, c in floors.items()}
         worst = max(floor_values.values(), key=lambda v: abs(v - ideal)) if floor_values else None
         reference = getattr(limits, rule.limit_key)
-        outcome = rule.bound(rule.name, measured, reference, worst, limits.floor_ratio, ideal=ideal,
+        outcome = rule.bound(rule.name, measured, reference, worst, limits.floor_ratio_for(rule.name), ideal=ideal,
                              measured_se=getattr(comparison, rule.se_field) or 0.0, k_se=limits.limit_se)
         notes = [f"noise pass {label}: {rule.name} = {_number(v)} ({PASS_DESCRIPTIONS[label]})"
                  for label, v in floor_values.items()]

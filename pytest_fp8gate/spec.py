@@ -6,6 +6,7 @@ reads an absent key as its field's default.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -55,8 +56,15 @@ class ProbabilityLimits:
     max_rms_dp: float | None = None
     max_mean_kl: float | None = None
     max_ppl_ratio: float | None = None
-    floor_ratio: float | None = None  # applies only where the noise floor is > 0
+    # One factor for every probability rule, or factors by rule name; applies only where the floor is > 0.
+    floor_ratio: float | Mapping[str, float] | None = None
     limit_se: float = 1.0  # a limit fails only when missed by more than this many SEs (the accuracy rule's k)
+
+    def floor_ratio_for(self, rule_name: str) -> float | None:
+        """The factor over the noise floor that ``rule_name``'s metric may reach, if one is set."""
+        if isinstance(self.floor_ratio, Mapping):
+            return self.floor_ratio.get(rule_name)
+        return self.floor_ratio
 
 
 @dataclass(frozen=True)

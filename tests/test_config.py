@@ -331,6 +331,15 @@ BAD_INPUTS = {
         "probabilities.limits: expected at least one of min_same_top, max_rms_dp, max_mean_kl, max_ppl_ratio; "
         "nothing is gated",
     ),
+    "floor_ratio table with an unknown rule": (
+        MODELS + "[probabilities]\n[probabilities.limits]\nmax_mean_kl = 0.1\nfloor_ratio = { kl = 20 }\n",
+        "probabilities.limits.floor_ratio: unknown probability rule 'kl' in the table; expected a number or a "
+        "table of same_top, rms_dp, mean_kl, ppl_ratio",
+    ),
+    "floor_ratio table with a factor below 1": (
+        MODELS + "[probabilities]\n[probabilities.limits]\nmax_mean_kl = 0.1\nfloor_ratio = { mean_kl = 0.5 }\n",
+        "probabilities.limits.floor_ratio: expected a number >= 1, got 0.5",
+    ),
     "negative limit_se": (
         MODELS + "[probabilities]\n[probabilities.limits]\nmax_mean_kl = 0.1\nlimit_se = -1\n",
         "probabilities.limits.limit_se: expected a number >= 0, got -1",
@@ -424,3 +433,15 @@ def test_model_spec_engine_kwargs_is_a_copy():
     spec = ModelSpec("a", "org/a", None, {"seed": 0})
     spec.engine_kwargs()["seed"] = 5
     assert spec.engine == {"seed": 0}
+
+
+def test_floor_ratio_is_one_factor_or_one_per_rule(tmp_path: Path) -> None:
+    path = tmp_path / "thresholds.toml"
+    path.write_text(MODELS + "[probabilities]\n[probabilities.limits]\nmax_mean_kl = 0.1\n"
+                    "floor_ratio = { mean_kl = 20 }\n", encoding="utf-8")
+    limits = load_config(path).probabilities.limits
+    assert limits.floor_ratio_for("mean_kl") == 20 and limits.floor_ratio_for("same_top") is None
+    path.write_text(MODELS + "[probabilities]\n[probabilities.limits]\nmax_mean_kl = 0.1\nfloor_ratio = 3\n",
+                    encoding="utf-8")
+    limits = load_config(path).probabilities.limits
+    assert limits.floor_ratio_for("mean_kl") == limits.floor_ratio_for("same_top") == 3

