@@ -7,7 +7,8 @@ One baseline engine (the embedded BF16 model with the demo's engine settings, en
 core in-process as the demo runs it) scores the demo's corpus and answers the first N
 task questions once, through lm-eval and the gate's own adapter as the demo does; the
 same engine then gives the batch-order noise pass and the order-changed null candidates.
-The FP16 build gives the other noise pass; the floor is the worse of the two, as in the gate. Every other candidate is one engine start.
+The FP16 build gives the other noise pass; the floor is the worse of the two, as in the gate.
+Every other candidate is one engine start.
 
 - Null candidates, equally valid BF16 builds: the baseline re-served in other request
   orders and batch sizes, and copies whose linear weights were stochastically
