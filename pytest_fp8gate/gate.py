@@ -9,6 +9,7 @@ recomputes the number from this run's artifacts.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,8 +166,13 @@ class Gate:
                    "noise_floor": {label: c.as_dict() for label, c in floors.items()}}
         recompute = compare_logprobs_command(self.measurements.baseline().main,
                                              self.measurements.candidate(case.candidate).main)
-        return Verdict(case, outcome, details, tuple(notes),
-                       limit=self._limit(f"probabilities.limits.{rule.limit_key}", reference), recompute=recompute)
+        factor = limits.floor_ratio_for(rule.name)
+        if factor is not None and outcome.limit != reference:  # the floor-relative limit is the binding one
+            key = f"floor_ratio.{rule.name}" if isinstance(limits.floor_ratio, Mapping) else "floor_ratio"
+            limit = self._limit(f"probabilities.limits.{key}", factor)
+        else:
+            limit = self._limit(f"probabilities.limits.{rule.limit_key}", reference)
+        return Verdict(case, outcome, details, tuple(notes), limit=limit, recompute=recompute)
 
     def _kl_partition_note(self, comparison: LogprobComparison) -> str:
         if comparison.kl_kind != TOPK_KL:

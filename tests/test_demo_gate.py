@@ -165,7 +165,8 @@ def test_a_failing_rule_ends_with_its_limit_and_the_command_that_recomputes_it(d
                                                                            capsys: pytest.CaptureFixture) -> None:
     entry = demo["tests"][("planted-noscale", "test_kl_within_limit")]
     limit, recompute = entry["call"]["longrepr"].strip().splitlines()[-2:]
-    assert limit.endswith(" probabilities.limits.max_mean_kl = 0.001355"), limit
+    # 20 x the floor's KL is below Q8_0's 0.001355 here, so the floor-relative limit binds.
+    assert limit.endswith(" probabilities.limits.floor_ratio.mean_kl = 20"), limit
     words = shlex.split(recompute.removeprefix("  recompute: "))
     assert words[:2] == ["fp8gate", "compare-logprobs"], recompute
     assert fp8gate_main([*words[1:], "--json"]) == 0
