@@ -84,7 +84,7 @@ class TaskLimits:
     flips_ratio: float = 2.0
     min_flip_allowance: float = 0.01
     # "ratio": the article's point rule; "binomial": the exact test of both counts (rules.flip_allowance).
-    flip_rule: str = "ratio"
+    flip_rule: str = "binomial"
     flip_alpha: float = 0.05  # the binomial rule's one-sided test level
     # The baseline must score above this, or the task cannot tell a broken build from a good one.
     min_baseline_accuracy: float = 0.05

@@ -249,6 +249,10 @@ include_path = "tasks"
 filter = "strict-match"
 metric = "exact_match"
 limit = {QUESTIONS}
+[tasks.limits]
+# 40 questions resolve little: "bad" flips several times the floor, but not significantly at the
+# default 0.05, so the binomial flip rule runs at its loosest level here to show a failing verdict.
+flip_alpha = 0.5
 
 """
 

@@ -25,9 +25,9 @@ EXPLAINED = {
     "test_flips_within_noise_floor": (
         ["questions", "noise floor flips", "2 x noise floor", "minimum allowance", "candidate flips",
          "p, exact test of flips <= 2 x floor (addition)", "margin in SE of the rates (addition)",
-         "flip rate caught with 80% power (addition)", "threshold", "margin"],
-        ["candidate flips: ", "judged by the article's rule: at most max(2 x ", "noise pass batch-order: ",
-         "noise pass fp16: "], "tasks[0].limits.flips_ratio = 2", "fp8gate flips "),
+         "flip rate caught with 80% power (addition)", "test level alpha", "threshold", "margin"],
+        ["candidate flips: ", "judged by the one-sided exact conditional binomial test (an addition): fails when p < 0.5",
+         "noise pass batch-order: ", "noise pass fp16: "], "tasks[0].limits.flip_alpha = 0.5", "fp8gate flips "),
     "test_same_top_near_baseline": (
         PROBABILITY_ROWS, ["noise pass batch-order: same_top = ", "noise pass fp16: same_top = ",
                            "judged like accuracy: "],
