@@ -33,12 +33,12 @@ POSITIONS = 400
 QUESTIONS = 30
 TASK = "tiny"
 
-THRESHOLDS = """
-device = "cpu"
+# The baseline, both noise passes and the corpus: the head of every fake gate's thresholds.
+BASELINE_HEAD = """device = "cpu"
 
 [baseline]
 name = "bf16"
-model = "model"
+model = "{model}"
 [baseline.engine]
 dtype = "bfloat16"
 max_model_len = 2048
@@ -48,7 +48,8 @@ passes = ["batch-order", "fp16"]
 
 [probabilities]
 corpus = "corpus.txt"
-chunks = 2
+"""
+THRESHOLDS = BASELINE_HEAD.format(model="model") + """chunks = 2
 chunk_tokens = 201
 full_vocab = true
 top_k = 3

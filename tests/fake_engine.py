@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from baseline_fakes import BASELINE_HEAD
 from pytest_fp8gate import capabilities
 from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
 from pytest_fp8gate.errors import IdScoringUnavailable
@@ -256,21 +257,7 @@ flip_alpha = 0.5
 
 """
 
-THRESHOLDS = """device = "cpu"
-
-[baseline]
-name = "bf16"
-model = "{model}"
-[baseline.engine]
-dtype = "bfloat16"
-max_model_len = 2048
-
-[noise]
-passes = ["batch-order", "fp16"]
-
-[probabilities]
-corpus = "corpus.txt"
-chunks = 3
+THRESHOLDS = BASELINE_HEAD + """chunks = 3
 chunk_tokens = 400
 top_k = 5
 [probabilities.limits]

@@ -45,17 +45,19 @@ CONTROL_MUST_PASS = {"test_same_top_near_baseline", "test_rms_dp_within_limit", 
 # fp8_per_channel passes these with room on both CPUs measured (same top +1.2 points, KL 2 x
 # inside 20 x the floor and 11 x inside Q8_0, RMS dp 3 x inside).
 GOOD_MUST_PASS = {"test_same_top_near_baseline", "test_rms_dp_within_limit", "test_kl_within_limit"}
-# Where 100 questions cannot decide: FP8's flips (4.8% of answers at 500 questions, against a
-# floor near 1%), its accuracy (3 points down at 500) and its PPL ratio (within one SE of
-# Q8_0's). They must be judged, and be better than every planted regression's.
+# Where FP8 on this 5M model sits at its limits, so no question count decides the verdict on
+# every machine: its accuracy (1.4 points down at all 500 questions on this CPU, 2.2 on the
+# H200, against one SE of 1.6), its flips (23 against a floor of 8; 19 against 6) and its PPL
+# ratio (within one SE of Q8_0's). They must be judged, and be better than every plant's.
 GOOD_BORDERLINE = {"test_flips_within_noise_floor", "test_accuracy_within_se", "test_ppl_ratio_within_limit"}
-# The rules each planted regression must fail (see pytest_fp8gate/assets/README.md).
+# The rules each planted regression must fail by a wide margin at 100 questions (see
+# pytest_fp8gate/assets/README.md). The flip rule is asserted only where the plant flips most
+# answers: at 100 questions the binomial test needs several times the floor's count to fail.
 MUST_FAIL = {
-    "planted-noscale": {"test_kl_within_limit", "test_rms_dp_within_limit", "test_flips_within_noise_floor"},
+    "planted-noscale": {"test_kl_within_limit", "test_rms_dp_within_limit"},  # KL ~20 x its limit
     "planted-outlier": {"test_same_top_near_baseline", "test_kl_within_limit", "test_rms_dp_within_limit",
                         "test_accuracy_within_se", "test_flips_within_noise_floor"},
-    # KL ~60 x the floor against 20 x; flips ~9 against at most 4.
-    "planted-mild": {"test_kl_within_limit", "test_flips_within_noise_floor"},
+    "planted-mild": {"test_kl_within_limit"},  # KL ~60 x the floor against 20 x
 }
 # ... and the rule the mild plant must still pass with room: RMS dp ~25% inside the limit on
 # both CPUs. Its same top sits on Q8_0's 97.674% (97.72% on an AVX2 Zen 3, 97.40% on an
@@ -155,7 +157,7 @@ def test_each_model_engine_starts_once(demo: dict) -> None:
 
 
 def test_failure_explains_itself_side_by_side(demo: dict) -> None:
-    entry = demo["tests"][("planted-noscale", "test_flips_within_noise_floor")]
+    entry = demo["tests"][("planted-outlier", "test_flips_within_noise_floor")]
     text = entry["call"]["longrepr"]
     for label in ("noise floor flips", "candidate flips", "threshold", "margin", "first", "baseline :"):
         assert label in text, text

@@ -26,7 +26,8 @@ EXPLAINED = {
         ["questions", "noise floor flips", "2 x noise floor", "minimum allowance", "candidate flips",
          "p, exact test of flips <= 2 x floor (addition)", "margin in SE of the rates (addition)",
          "flip rate caught with 80% power (addition)", "test level alpha", "threshold", "margin"],
-        ["candidate flips: ", "judged by the one-sided exact conditional binomial test (an addition): fails when p < 0.5",
+        ["candidate flips: ",
+         "judged by the one-sided exact conditional binomial test (an addition): fails when p < 0.5",
          "noise pass batch-order: ", "noise pass fp16: "], "tasks[0].limits.flip_alpha = 0.5", "fp8gate flips "),
     "test_same_top_near_baseline": (
         PROBABILITY_ROWS, ["noise pass batch-order: same_top = ", "noise pass fp16: same_top = ",
