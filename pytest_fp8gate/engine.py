@@ -268,6 +268,7 @@ class Engine:
         from vllm import SamplingParams
 
         rng = np.random.default_rng(0)
+        # Ids below 10,000, as vllm bench latency draws its dummy prompts (benchmarks/latency.py).
         prompts = [{"prompt_token_ids": rng.integers(0, min(self.vocab_size, 10000), input_len).tolist()}
                    for _ in range(batch_size)]
         full = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len, seed=0)
