@@ -123,10 +123,11 @@ def test_demo_creates_its_workdir_and_collects_the_demo_rules(tmp_path) -> None:
     assert (workdir / "thresholds.toml").is_file()
     assert "thresholds.toml::test_flips_within_noise_floor[fp8-per-channel-tiny-arith]" in done.stdout
     assert "thresholds.toml::test_kl_within_limit[fp8-per-channel]" in done.stdout
-    # fp8_per_channel online and the two checkpoints written from the model, 7 rules each
+    # fp8_per_channel online, the two checkpoints and the BF16 control written from the model, 7 rules each
     assert "thresholds.toml::test_kl_within_limit[fp8-dynamic]" in done.stdout
     assert "thresholds.toml::test_kl_within_limit[fp8-static]" in done.stdout
-    assert "21 tests collected" in done.stdout
+    assert "thresholds.toml::test_kl_within_limit[bf16-rerounded]" in done.stdout
+    assert "28 tests collected" in done.stdout
 
 
 def test_demo_on_cuda_judges_speed_with_cuda_graphs(tmp_path) -> None:
