@@ -132,6 +132,9 @@ def main() -> None:
     parser.add_argument("--max-minutes", type=float, default=8.0)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--eval-every", type=int, default=250)
+    # Above the band only to study a model trained past it; never shipped
+    # (benchmarks/results/trained-longer-h200-2026-12-01.txt).
+    parser.add_argument("--max-accuracy", type=float, default=BAND[1])
     args = parser.parse_args()
     out = Path(args.out_dir)
     data_dir = out / "data"
@@ -174,8 +177,9 @@ def main() -> None:
         if out_of_time:
             raise SystemExit(f"out of time at step {step} of {args.steps}: the schedule did not finish")
     final = log[-1]
-    if not BAND[0] <= final["valid_accuracy"] <= BAND[1]:
-        raise SystemExit(f"final validation accuracy {final['valid_accuracy']:.3f} is outside {BAND}")
+    band = (BAND[0], args.max_accuracy)
+    if not band[0] <= final["valid_accuracy"] <= band[1]:
+        raise SystemExit(f"final validation accuracy {final['valid_accuracy']:.3f} is outside {band}")
     weights = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
     model.save_pretrained(out / "model", state_dict=weights, safe_serialization=True)
     tokenizer.save_pretrained(out / "model")
