@@ -59,7 +59,7 @@ class Fp8Emulation:
         chosen = set(names)
         for name, module in self.layers.items():
             weight = self.original[name]
-            module.weight.data = e4m3_round(weight, dim=1) if name in chosen and weights else weight.clone()
+            module.weight.data = e4m3_round(weight, dim=1) if name in chosen and weights else weight
             if name in chosen and inputs:
                 self.hooks.append(module.register_forward_pre_hook(lambda _, args: (e4m3_round(args[0], -1),)))
 

@@ -149,8 +149,8 @@ class Gate:
         ideal = rule.ideal
         floor_values = {label: getattr(c, rule.name) for label, c in floors.items()}
         worst = max(floor_values.values(), key=lambda v: abs(v - ideal)) if floor_values else None
-        reference = getattr(limits, rule.limit_key)
-        outcome = rule.bound(rule.name, measured, reference, worst, limits.floor_ratio_for(rule.name), ideal=ideal,
+        reference, factor = getattr(limits, rule.limit_key), limits.floor_ratio_for(rule.name)
+        outcome = rule.bound(rule.name, measured, reference, worst, factor, ideal=ideal,
                              measured_se=getattr(comparison, rule.se_field) or 0.0, k_se=limits.limit_se)
         notes = [f"noise pass {label}: {rule.name} = {_number(v)} ({PASS_DESCRIPTIONS[label]})"
                  for label, v in floor_values.items()]
@@ -166,7 +166,6 @@ class Gate:
                    "noise_floor": {label: c.as_dict() for label, c in floors.items()}}
         recompute = compare_logprobs_command(self.measurements.baseline().main,
                                              self.measurements.candidate(case.candidate).main)
-        factor = limits.floor_ratio_for(rule.name)
         if factor is not None and outcome.limit != reference:  # the floor-relative limit is the binding one
             key = f"floor_ratio.{rule.name}" if isinstance(limits.floor_ratio, Mapping) else "floor_ratio"
             limit = self._limit(f"probabilities.limits.{key}", factor)
