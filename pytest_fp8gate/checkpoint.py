@@ -3,18 +3,72 @@
 vLLM finds a missing config.json, or a truncated or garbage safetensors file,
 only after the baseline engine has run for minutes, and reports it as a
 traceback; these checks read only config.json and the safetensors headers
-(with roofline's readers).
+(with the readers below, which the roofline and the engine checks share).
 """
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError, RooflineError
-from .roofline import read_header, read_json, safetensors_files, text_config
 
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth")
+_MAX_HEADER = 100_000_000  # the safetensors format's own cap on header size
+
+
+def read_json(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RooflineError(f"{path}: not found (expected a model directory or its config.json)") from None
+    except (OSError, ValueError) as err:
+        raise RooflineError(f"{path}: cannot read JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise RooflineError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def text_config(cfg: dict) -> dict:
+    # Multimodal wrappers nest the language model's config.
+    return cfg.get("text_config") or cfg
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        # The index names the shards; other *.safetensors files (e.g. a
+        # consolidated copy) would count the weights twice.
+        weight_map = read_json(index).get("weight_map", {})
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """The JSON header of a safetensors file: 8-byte little-endian length, then JSON."""
+    try:
+        with path.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) != 8:
+                raise RooflineError(f"{path}: too short for a safetensors file")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > _MAX_HEADER:
+                raise RooflineError(f"{path}: header length {length} is not plausible for safetensors")
+            header = json.loads(f.read(length))
+    except RooflineError:
+        raise  # a ValueError too, but already names the file
+    except OSError as err:
+        raise RooflineError(f"{path}: cannot read: {err}") from None
+    except ValueError as err:
+        raise RooflineError(f"{path}: header is not valid JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise RooflineError(f"{path}: header is not a JSON object")
+    header.pop("__metadata__", None)
+    return header
+
+
 
 
 def check_model_dir(model_dir: Path) -> dict[str, Any]:

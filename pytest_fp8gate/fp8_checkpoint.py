@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .atomic import atomic_directory
-from .checkpoint import check_model_dir
+from .checkpoint import check_model_dir, safetensors_files
 from .errors import CheckpointError, QuantizeError
-from .roofline import safetensors_files
 
 E4M3_MAX = 448.0
 MARKER = ".fp8gate-quantized"  # written last: a directory without it is unfinished

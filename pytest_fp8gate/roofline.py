@@ -9,13 +9,12 @@ from a Llama-style config.json alone.
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import gpus
+from .checkpoint import read_header, read_json, safetensors_files, text_config
 from .errors import RooflineError
 
 # vLLM's online quantization schemes that turn 16-bit linear weights into FP8.
@@ -31,7 +30,6 @@ _SAFETENSORS_BYTES = {
 }  # fmt: skip
 _TORCH_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
 _EMBEDDING_MODULES = frozenset({"embed_tokens", "wte", "word_embeddings"})
-_MAX_HEADER = 100_000_000  # the safetensors format's own cap on header size
 
 
 @dataclass(frozen=True)
@@ -156,23 +154,6 @@ def estimate_from_path(
     )
 
 
-def read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise RooflineError(f"{path}: not found (expected a model directory or its config.json)") from None
-    except (OSError, ValueError) as err:
-        raise RooflineError(f"{path}: cannot read JSON: {err}") from None
-    if not isinstance(raw, dict):
-        raise RooflineError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return raw
-
-
-def text_config(cfg: dict) -> dict:
-    # Multimodal wrappers nest the language model's config.
-    return cfg.get("text_config") or cfg
-
-
 def online_scheme(quantization: str | None) -> str | None:
     """The online FP8 scheme named by a vLLM ``quantization``; RooflineError for one with no byte model."""
     if not quantization:
@@ -293,39 +274,6 @@ def _kv_bytes_per_context_token(cfg: dict, config_path: Path, kv_cache_dtype: st
     _, kv_heads, head_dim = _attention_shape(cfg, config_path)
     itemsize = kv_cache_itemsize(kv_cache_dtype) or _model_itemsize(cfg, config_path)
     return 2 * layers * kv_heads * head_dim * itemsize  # keys and values
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        # The index names the shards; other *.safetensors files (e.g. a
-        # consolidated copy) would count the weights twice.
-        weight_map = read_json(index).get("weight_map", {})
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    return sorted(model_dir.glob("*.safetensors"))
-
-
-def read_header(path: Path) -> dict[str, dict]:
-    """The JSON header of a safetensors file: 8-byte little-endian length, then JSON."""
-    try:
-        with path.open("rb") as f:
-            prefix = f.read(8)
-            if len(prefix) != 8:
-                raise RooflineError(f"{path}: too short for a safetensors file")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > _MAX_HEADER:
-                raise RooflineError(f"{path}: header length {length} is not plausible for safetensors")
-            header = json.loads(f.read(length))
-    except RooflineError:
-        raise  # a ValueError too, but already names the file
-    except OSError as err:
-        raise RooflineError(f"{path}: cannot read: {err}") from None
-    except ValueError as err:
-        raise RooflineError(f"{path}: header is not valid JSON: {err}") from None
-    if not isinstance(header, dict):
-        raise RooflineError(f"{path}: header is not a JSON object")
-    header.pop("__metadata__", None)
-    return header
 
 
 def _tensors_from_safetensors(shards: list[Path]) -> list[_Tensor]:

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from pytest_fp8gate import fp8_checkpoint
+from pytest_fp8gate.checkpoint import read_header
 from pytest_fp8gate.cli import main as fp8gate_main
 from pytest_fp8gate.demo.embedded import embedded_assets
 from pytest_fp8gate.fp8_checkpoint import QuantizeError, quantize_weight, write_fp8_checkpoint
-from pytest_fp8gate.roofline import estimate_from_path, read_header
+from pytest_fp8gate.roofline import estimate_from_path
 from pytest_fp8gate.shapes import SHAPES, tensor_shapes, write_random_checkpoint
 
 torch = pytest.importorskip("torch")
