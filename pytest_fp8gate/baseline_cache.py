@@ -29,8 +29,8 @@ from .atomic import atomic_open, atomic_write_text
 from .dumps import read_logprob_dump
 from .engine import Latency
 from .errors import CacheEntryError
-from .measure import BaselineRecord, Measurements, ModelResult, Needs, PassResult
-from .spec import GateConfig
+from .record import BaselineRecord, ModelResult, Needs, PassResult
+from .spec import GateConfig, ModelSpec
 
 FORMAT = 1  # bump when the entry layout or the meaning of a stored number changes
 MANIFEST = "manifest.json"
@@ -113,19 +113,18 @@ class BaselineCache:
     def entry_path(self, name: str, key: dict[str, Any]) -> Path:
         return self.root / f"{name}-{key_digest(key)[:16]}"
 
-    def fetch(self, measurements: Measurements, needs: Needs,
+    def fetch(self, spec: ModelSpec, key: dict[str, Any], target: Path,
               measure: Callable[[], BaselineRecord]) -> BaselineRecord:
-        """The cached baseline when a valid entry has this key; else ``measure()``, then store it."""
-        config = measurements.config
-        name = config.baseline.name
-        key = baseline_key(config, needs, measurements.engine_settings(), measurements.fingerprint(config.baseline))
+        """The cached baseline ``spec`` when a valid entry has ``key`` (see ``baseline_key``), its files
+        copied into ``target``; else ``measure()``, which writes its artifacts there, then store it."""
+        name = spec.name
         entry = self.entry_path(name, key)
         with self.locked(entry):
             if self.update:
                 why = "--fp8gate-update-baseline"
             else:
                 try:
-                    record = self.load(entry, key, measurements)
+                    record = self.load(entry, key, spec, target)
                     self.announce(f"fp8gate: baseline {name} from the cache: {entry} "
                                   f"(measured {record.measured_at}); no baseline engine started")
                     return record
@@ -136,7 +135,7 @@ class BaselineCache:
             self.announce(f"fp8gate: baseline cache miss for {name} ({why}); measuring")
             record = measure()
             try:
-                self.store(entry, key, record, measurements.artifacts / name)
+                self.store(entry, key, record, target)
             except OSError as err:  # a full or read-only cache costs the next run time, not this run's verdicts
                 self.announce(f"fp8gate: the baseline was not stored in the cache: {err}")
                 record.origin = f"measured in this session; storing it in the baseline cache failed: {err}"
@@ -173,8 +172,8 @@ class BaselineCache:
 
     # ---- reading -------------------------------------------------------------
 
-    def load(self, entry: Path, key: dict[str, Any], measurements: Measurements) -> BaselineRecord:
-        """Check the entry against its manifest and the key, copy it into the artifacts, restore it.
+    def load(self, entry: Path, key: dict[str, Any], spec: ModelSpec, target: Path) -> BaselineRecord:
+        """Check the entry against its manifest and the key, copy it into ``target``, restore it.
 
         Raises FileNotFoundError when there is no entry and CacheEntryError when it is unusable.
         """
@@ -188,11 +187,10 @@ class BaselineCache:
             raise CacheEntryError(f"{entry / RECORD}: unreadable ({err})") from None
         if unlisted:
             raise CacheEntryError(f"{entry / RECORD}: names files the manifest lacks: {', '.join(unlisted)}")
-        target = measurements.artifacts / measurements.config.baseline.name
         for relative in stored["files"]:
             _copy_atomic(entry / relative, target / relative)
         try:
-            return _restore(stored, target, measurements, entry)
+            return _restore(stored, target, spec, entry)
         except (KeyError, TypeError) as err:
             raise CacheEntryError(f"{entry / RECORD}: lacks {err}") from None
 
@@ -328,12 +326,12 @@ def _restore_pass(stored: dict[str, Any], root: Path) -> PassResult:
                       samples={task: root / relative for task, relative in stored["samples"].items()})
 
 
-def _restore(stored: dict[str, Any], root: Path, measurements: Measurements, entry: Path) -> BaselineRecord:
+def _restore(stored: dict[str, Any], root: Path, spec: ModelSpec, entry: Path) -> BaselineRecord:
     latency = None
     if stored["latency"] is not None:
         names = {f.name for f in dataclasses.fields(Latency)}
         latency = Latency(**{k: v for k, v in stored["latency"].items() if k in names})
-    result = ModelResult(measurements.config.baseline, _restore_pass(stored["main"], root), stored["start_s"],
+    result = ModelResult(spec, _restore_pass(stored["main"], root), stored["start_s"],
                          stored["kv_cache_tokens"], stored["vocab_size"], latency)
     record = BaselineRecord(result, {label: _restore_pass(p, root) for label, p in stored["noise"].items()},
                             stored["chunks"], stored["id_scoring_refusal"], stored["engine_runs"], cached=True)

@@ -8,9 +8,9 @@ import pytest
 
 from . import rules
 from .capabilities import cpu_engine_refusal
-from .gate import Case
-from .measure import Needs
+from .record import Needs
 from .spec import GateConfig
+from .verdict import Case
 
 
 def cases_for(test_name: str, config: GateConfig) -> list[Any]:

@@ -71,6 +71,16 @@ def read_header(path: Path) -> dict[str, dict]:
 
 
 
+def weights_dir(model: str) -> Path:
+    """A local checkpoint directory, or the Hugging Face cache snapshot the engine loaded."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, local_files_only=True))
+
+
 def check_model_dir(model_dir: Path) -> dict[str, Any]:
     """The checkpoint's config.json; CheckpointError unless it has one and complete weights."""
     if not model_dir.is_dir():

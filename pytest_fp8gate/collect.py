@@ -20,7 +20,7 @@ class ThresholdsFile(pytest.Module):
 
     def collect(self) -> list[pytest.Item | pytest.Collector]:
         # A rule with nothing configured (e.g. no [speed]) yields no test rather than an empty-parameter skip.
-        from .gate import Case
+        from .verdict import Case
 
         return [item for item in super().collect()
                 if isinstance(getattr(getattr(item, "callspec", None), "params", {}).get("case"), Case)]

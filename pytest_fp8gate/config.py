@@ -19,6 +19,7 @@ from . import checkpoint, gpus, roofline
 from .errors import CheckpointError, ConfigError, RooflineError
 from .rules import FLIP_RULES, RULES, SPEED_RULES
 from .spec import (
+    NOISE_PASSES,
     WIKITEXT_2,
     DatasetCorpus,
     FileCorpus,
@@ -181,13 +182,10 @@ def _full_vocab(value: Any) -> bool | str:
     raise _Invalid(f"expected \"auto\", true or false, got {_show(value)}")
 
 
-_NOISE_PASSES = ("batch-order", "fp16")
-
-
 def _passes(value: Any) -> list[str]:
     if not isinstance(value, list) or not value:
         raise _Invalid(f'expected a non-empty array of "batch-order" and/or "fp16", got {_show(value)}')
-    check = _text(_NOISE_PASSES)
+    check = _text(NOISE_PASSES)
     passes = [check(item) for item in value]
     if len(set(passes)) != len(passes):
         raise _Invalid(f"expected each pass at most once, got {passes}")

@@ -14,6 +14,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from . import gpus
+
 _SMI_TIMEOUT_S = 20
 
 
@@ -53,6 +55,13 @@ def resolve_gpu_name(name: str) -> str | None:
         return name
     names = cuda_device_names()
     return names[0] if names else None
+
+
+def gpu_bandwidth(gpu: str) -> tuple[str, float] | None:
+    """The GPU named by ``speed.gpu`` ("auto": the visible one) and its GB/s from the table, if listed."""
+    name = resolve_gpu_name(gpu)
+    entry = gpus.find_gpu(name) if name else None
+    return (entry.name, entry.bandwidth_gbps) if entry else None
 
 
 def cuda_free_memory_mib() -> list[int] | None:

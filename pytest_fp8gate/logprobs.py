@@ -11,7 +11,7 @@ import math
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -196,9 +196,13 @@ class LogprobComparison:
     mean_kl: float | None
     kl_se: float | None
     kl_percentiles: dict[str, float] | None
+    # KL at each position, kept for the plots so that nothing computes it twice (not serialised).
+    kl_values: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        figures = asdict(replace(self, kl_values=None))
+        del figures["kl_values"]
+        return figures
 
     @property
     def ppl_ratio_se(self) -> float:
@@ -262,6 +266,7 @@ def compare_logprobs(base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
         mean_kl=mean_kl,
         kl_se=kl_se,
         kl_percentiles=_percentiles(kl) if kl is not None else None,
+        kl_values=kl,
     )
 
 

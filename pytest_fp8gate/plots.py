@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .answers import AnswerComparison
 from .atomic import atomic_open
-from .logprobs import LogprobRun, kl_per_position
+from .logprobs import LogprobComparison, LogprobRun
+
+T = TypeVar("T")
 
 INSTALL_HINT = "pip install 'pytest-fp8gate[report]'"
 CANDIDATE_COLOR = "#c0392b"
@@ -49,8 +51,8 @@ def _save(figure: Any, path: Path) -> None:
         figure.savefig(handle, format="png")
 
 
-def _series(cand: LogprobRun, floors: dict[str, LogprobRun]) -> list[tuple[str, LogprobRun, str]]:
-    """(legend label, run, colour): the candidate first, then each noise pass."""
+def _series(cand: T, floors: dict[str, T]) -> list[tuple[str, T, str]]:
+    """(legend label, run or comparison, colour): the candidate first, then each noise pass."""
     return [("candidate", cand, CANDIDATE_COLOR)] + [
         (f"noise floor: {label}", run, FLOOR_COLORS[i % len(FLOOR_COLORS)])
         for i, (label, run) in enumerate(floors.items())]
@@ -78,15 +80,14 @@ def delta_p_histogram(base: LogprobRun, cand: LogprobRun, floors: dict[str, Logp
     _save(figure, path)
 
 
-def kl_histogram(base: LogprobRun, cand: LogprobRun, floors: dict[str, LogprobRun], title: str,
-                 path: Path) -> bool:
-    """Per-position KL(base || run) on log-spaced bins; False when the dumps hold no distributions."""
+def kl_histogram(cand: LogprobComparison, floors: dict[str, LogprobComparison], title: str, path: Path) -> bool:
+    """Per-position KL(base || run) on log-spaced bins, from the candidate's and each noise pass's
+    comparison with the baseline; False when the dumps hold no distributions."""
     series = []
-    for label, run, color in _series(cand, floors):
-        kind, kl = kl_per_position(base, run)
-        if kl is None:
+    for label, comparison, color in _series(cand, floors):
+        if comparison.kl_values is None:
             return False
-        series.append((label, np.asarray(kl), color, kind))
+        series.append((label, np.asarray(comparison.kl_values), color, comparison.kl_kind))
     positive = np.concatenate([kl[kl > 0] for _, kl, _, _ in series])
     if positive.size == 0:
         positive = np.array([1e-12, 1e-6])

@@ -11,9 +11,9 @@ from . import gating, hardware, lifecycle, options, report, session
 from .cases import needs_of
 from .collect import ThresholdsFile
 from .config import ConfigError, load_config
-from .gate import Case
 from .options import SETTINGS_KEY
 from .session import CONFIG_KEY, NEEDS_KEY, VERDICTS_KEY
+from .verdict import Case
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

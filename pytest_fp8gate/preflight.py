@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .spec import GateConfig, ModelSpec
 
 if TYPE_CHECKING:
-    from .measure import Needs
+    from .record import Needs
 
 
 def _engine_specs(gate: GateConfig, needs: dict[str, Needs]) -> dict[str, ModelSpec]:

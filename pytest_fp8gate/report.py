@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from . import markdown_report
-from .gate import Case, Verdict
 from .options import SETTINGS_KEY, display_path
 from .session import SESSION_KEY, VERDICT_KEY, VERDICTS_KEY, GateSession
+from .verdict import Case, Verdict
 
 
 def summary_lines(verdicts: list[Verdict]) -> list[str]:
@@ -61,7 +61,8 @@ def report_data(session: GateSession, verdicts: list[Verdict],
         if record is not None and record.cached else []
     runs = cached + measurements.engine_runs
     provenance = dict(measurements.provenance(config.baseline), models=models, engine_runs=runs)
-    return markdown_report.ReportData(config, verdicts, record, candidates, provenance, unjudged)
+    return markdown_report.ReportData(config, verdicts, record, candidates, provenance, unjudged,
+                                      session.gate.comparisons)
 
 
 class SessionReport:

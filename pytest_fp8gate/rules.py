@@ -1,19 +1,21 @@
 """The gate's rules: their registry, RULES, and pure functions of measured numbers.
 
 Each rule returns a RuleOutcome whose ``rows`` explain the verdict side by side
-(baseline, noise floor, candidate, threshold, margin). ``margin`` is signed:
-positive means room left, negative means by how much the rule failed.
+(baseline, noise floor, candidate, threshold, margin) for display; what the
+verdict and the report read comes from its named ``figures`` and from
+``limit_key``, the setting that bound. ``margin`` is signed: positive means room
+left, negative means by how much the rule failed.
 
-Adding a rule means one row in RULES (its name, test, kind and limit) and one
-function judging it: a probability rule's row names its bound; any other rule
-is judged by the ``Gate`` method of the rule's name.
+Adding a rule means one row in RULES (its name, test, kind, limit and the
+function judging it) and, unless it is a probability rule, the evidence the
+``Gate`` gathers for it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .answers import binomial_se, detectable_flip_rate, flip_ratio_p
@@ -52,7 +54,10 @@ class RuleOutcome:
     measured: float
     limit: float
     margin: float
-    rows: tuple[Row, ...]
+    rows: tuple[Row, ...]  # for display: label and value, side by side
+    limit_key: str = ""  # the setting whose limit bound, e.g. "max_mean_kl" or "floor_ratio"
+    figures: Mapping[str, float] = field(default_factory=dict)  # named numbers the verdict and report read
+    bound_by: str | None = None  # the speed rule's overhead-bound branch: which model ("candidate", "baseline")
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -66,7 +71,8 @@ class RuleOutcome:
 
 
 def _outcome(
-    rule: str, measured: float, limit: float, margin: float, rows: Sequence[Row]
+    rule: str, measured: float, limit: float, margin: float, rows: Sequence[Row], limit_key: str,
+    figures: Mapping[str, float] | None = None, bound_by: str | None = None,
 ) -> RuleOutcome:
     rows = (*rows, ("threshold", limit), ("margin", margin))
     return RuleOutcome(
@@ -76,6 +82,9 @@ def _outcome(
         limit=float(limit),
         margin=float(margin),
         rows=tuple((label, float(value)) for label, value in rows),
+        limit_key=limit_key,
+        figures={name: float(value) for name, value in (figures or {}).items()},
+        bound_by=bound_by,
     )
 
 
@@ -106,8 +115,8 @@ def accuracy_within_se(
     ]
     if two_sided and cand_acc > base_acc:
         upper = base_acc + k * se
-        return _outcome(ACCURACY, cand_acc, upper, upper - cand_acc, rows)
-    return _outcome(ACCURACY, cand_acc, lower, cand_acc - lower, rows)
+        return _outcome(ACCURACY, cand_acc, upper, upper - cand_acc, rows, "accuracy_se")
+    return _outcome(ACCURACY, cand_acc, lower, cand_acc - lower, rows, "accuracy_se")
 
 
 FLIP_RATIO = "ratio"
@@ -215,7 +224,9 @@ def flips_within_noise_floor(
     ]
     if rule == FLIP_BINOMIAL:
         rows.append(("test level alpha", alpha))
-    return _outcome(FLIPS, flips, allowed, allowed - flips, rows)
+    figures = {"noise_floor": floor_flips, "minimum_allowance": minimum, "resolution": resolution}
+    return _outcome(FLIPS, flips, allowed, allowed - flips, rows,
+                    "flip_alpha" if rule == FLIP_BINOMIAL else "flips_ratio", figures)
 
 
 def _bounded(
@@ -228,29 +239,34 @@ def _bounded(
     sign: int,
     measured_se: float,
     k_se: float,
+    keys: tuple[str, str],
 ) -> RuleOutcome:
     # sign=+1: larger is better and the limit is a minimum; sign=-1: the reverse.
+    # keys: the settings of the reference and of the floor ratio, for the outcome's limit_key.
     if floor_ratio is not None and floor_value is None:
         raise ValueError(f"{metric_name}: floor_ratio needs a floor_value")
     if measured_se < 0 or k_se < 0:
         raise ValueError(f"{metric_name}: measured_se and k_se must be >= 0")
-    limit = reference
+    limit, limit_key = reference, keys[0]
     rows: list[Row] = [("reference", reference)]
+    figures: dict[str, float] = {}
     if floor_value is not None:
         rows.append(("noise floor", floor_value))
+        figures["noise_floor"] = floor_value
         floor_distance = abs(floor_value - ideal)
         # A floor at the ideal (a deterministic engine) would demand perfection;
         # then only the absolute reference applies.
         if floor_ratio is not None and floor_distance > 0:
             floor_limit = ideal - sign * floor_ratio * floor_distance
             rows.append((f"{floor_ratio:g} x floor distance from {ideal:g}", floor_limit))
-            limit = sign * max(sign * limit, sign * floor_limit)
+            if sign * floor_limit > sign * limit:
+                limit, limit_key = floor_limit, keys[1]
     rows.append(("candidate", measured))
     if k_se > 0:
         # Judged like the accuracy rule: only a miss by more than k SE is evidence.
         rows.append((f"candidate SE (fails beyond {k_se:g} SE)", measured_se))
     margin = sign * (measured - limit) + k_se * measured_se
-    return _outcome(metric_name, measured, limit, margin, rows)
+    return _outcome(metric_name, measured, limit, margin, rows, limit_key, figures)
 
 
 def at_least(
@@ -263,14 +279,18 @@ def at_least(
     ideal: float = 1.0,
     measured_se: float = 0.0,
     k_se: float = 0.0,
+    keys: tuple[str, str] = ("reference", "floor_ratio"),
 ) -> RuleOutcome:
     """Pass when ``measured >= reference``, and, given a noise floor and
     ``floor_ratio``, when the candidate's distance from ``ideal`` is at most
     floor_ratio times the floor's. For same-top agreement (ideal 1) that
     distance is the disagreement 1 - same_top. With ``k_se > 0`` the rule fails
     only when the limit is missed by more than ``k_se`` x ``measured_se``.
+    ``keys`` name the reference's and the floor ratio's settings; the one that
+    bound is the outcome's ``limit_key``.
     """
-    return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, +1, measured_se, k_se)
+    return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, +1, measured_se, k_se,
+                    keys)
 
 
 def at_most(
@@ -283,13 +303,15 @@ def at_most(
     ideal: float = 0.0,
     measured_se: float = 0.0,
     k_se: float = 0.0,
+    keys: tuple[str, str] = ("reference", "floor_ratio"),
 ) -> RuleOutcome:
     """Pass when ``measured <= reference``, and, given a noise floor and
     ``floor_ratio``, when the candidate's distance from ``ideal`` is at most
     floor_ratio times the floor's. Use ideal 0 for rms_dp and mean_kl, ideal 1
-    for ppl_ratio. ``measured_se``/``k_se`` as in ``at_least``.
+    for ppl_ratio. ``measured_se``/``k_se`` and ``keys`` as in ``at_least``.
     """
-    return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, -1, measured_se, k_se)
+    return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, -1, measured_se, k_se,
+                    keys)
 
 
 @dataclass(frozen=True)
@@ -350,15 +372,22 @@ def decode_speed(
         ("measured speedup", speedup),
         ("speedup the bytes allow", allowed),
     ]
-    if is_overhead_bound(candidate, overhead_bound_below) or is_overhead_bound(baseline, overhead_bound_below):
+    figures = {"candidate_share": candidate.share, "candidate_ceiling_tok_s": candidate.ceiling_tok_s,
+               "baseline_share": baseline.share, "baseline_ceiling_tok_s": baseline.ceiling_tok_s,
+               "allowed_speedup": allowed}
+    bound = [name for name, s in (("candidate", candidate), ("baseline", baseline))
+             if is_overhead_bound(s, overhead_bound_below)]
+    if bound:
         rows.append(("overhead-bound below share", overhead_bound_below))
-        return _outcome(SPEED, speedup, min_ratio_overhead_bound, speedup - min_ratio_overhead_bound, rows)
+        return _outcome(SPEED, speedup, min_ratio_overhead_bound, speedup - min_ratio_overhead_bound, rows,
+                        "min_ratio_overhead_bound", figures, bound_by=bound[0])
     if rule == SHARE_OF_CEILING:
         return _outcome(SPEED, candidate.share, min_fraction_of_ceiling,
-                        candidate.share - min_fraction_of_ceiling, rows)
+                        candidate.share - min_fraction_of_ceiling, rows, "min_fraction_of_ceiling", figures)
     ratio = candidate.share / baseline.share
     rows.append(("share ratio (= speedup / allowed)", ratio))
-    return _outcome(SPEED, ratio, min_share_of_baseline, ratio - min_share_of_baseline, rows)
+    return _outcome(SPEED, ratio, min_share_of_baseline, ratio - min_share_of_baseline, rows,
+                    "min_share_of_baseline", figures)
 
 
 def is_overhead_bound(speed: DecodeSpeed, overhead_bound_below: float) -> bool:
@@ -376,7 +405,8 @@ class Rule:
     its cases are formed: per candidate ("probability", "speed") or per
     candidate and task ("task"). ``limit_key`` is its limit's key in
     [probabilities.limits], a task's limits or [speed]; a probability rule is
-    collected only where that limit is set.
+    collected only where that limit is set. A probability rule is decided by
+    its ``bound``, any other rule by its ``judge``: functions of measured numbers.
     """
 
     name: str
@@ -386,17 +416,18 @@ class Rule:
     bound: Callable[..., RuleOutcome] | None = None  # probability rules: at_least or at_most the limit
     ideal: float | None = None  # probability rules: the metric for two identical runs
     se_field: str | None = None  # probability rules: the LogprobComparison field holding the metric's SE
+    judge: Callable[..., RuleOutcome] | None = None  # the other rules: the function that decides them
 
 
 # The probability rows follow [probabilities.limits]; each name is also its LogprobComparison field.
 RULES: tuple[Rule, ...] = (
-    Rule(ACCURACY, "test_accuracy_within_se", "task", "accuracy_se"),
-    Rule(FLIPS, "test_flips_within_noise_floor", "task", "flips_ratio"),
+    Rule(ACCURACY, "test_accuracy_within_se", "task", "accuracy_se", judge=accuracy_within_se),
+    Rule(FLIPS, "test_flips_within_noise_floor", "task", "flips_ratio", judge=flips_within_noise_floor),
     Rule("same_top", "test_same_top_near_baseline", "probability", "min_same_top", at_least, 1.0, "same_top_se"),
     Rule("rms_dp", "test_rms_dp_within_limit", "probability", "max_rms_dp", at_most, 0.0, "rms_dp_se"),
     Rule("mean_kl", "test_kl_within_limit", "probability", "max_mean_kl", at_most, 0.0, "kl_se"),
     Rule("ppl_ratio", "test_ppl_ratio_within_limit", "probability", "max_ppl_ratio", at_most, 1.0, "ppl_ratio_se"),
-    Rule(SPEED, "test_decode_speed_near_ceiling", "speed", "min_share_of_baseline"),
+    Rule(SPEED, "test_decode_speed_near_ceiling", "speed", "min_share_of_baseline", judge=decode_speed),
 )
 BY_NAME = {rule.name: rule for rule in RULES}
 BY_TEST = {rule.test: rule for rule in RULES}

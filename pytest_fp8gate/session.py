@@ -9,10 +9,12 @@ import pytest
 from . import lifecycle
 from .engine import Engine
 from .errors import Fp8GateError
-from .gate import Case, Gate, Verdict
-from .measure import Measurements, Needs
+from .gate import Gate
+from .measure import Measurements
 from .options import SETTINGS_KEY
+from .record import Needs
 from .spec import GateConfig
+from .verdict import Case, Verdict
 
 CONFIG_KEY = pytest.StashKey[GateConfig | None]()  # the loaded thresholds, None without a file
 NEEDS_KEY = pytest.StashKey[dict[str, Needs]]()

@@ -27,9 +27,15 @@ class ModelSpec:
         return {"model": self.model, "quantization": self.quantization, **self.engine}
 
 
+# The noise passes a thresholds file may ask for (measure.py runs them, record.py describes them).
+BATCH_ORDER_PASS = "batch-order"
+FP16_PASS = "fp16"
+NOISE_PASSES = (BATCH_ORDER_PASS, FP16_PASS)
+
+
 @dataclass(frozen=True)
 class NoiseSpec:
-    passes: tuple[str, ...] = ("batch-order",)
+    passes: tuple[str, ...] = (BATCH_ORDER_PASS,)
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,8 @@ import numpy as np
 from pytest_fp8gate.config import load_config
 from pytest_fp8gate.dumps import write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.logprobs import LogprobRun
-from pytest_fp8gate.measure import (
-    BaselineRecord,
-    Measurements,
-    ModelResult,
-    Needs,
-    PassResult,
-)
+from pytest_fp8gate.measure import Measurements
+from pytest_fp8gate.record import BaselineRecord, ModelResult, Needs, PassResult
 from pytest_fp8gate.spec import GateConfig
 
 VOCAB = 8
@@ -156,5 +151,7 @@ if __name__ == "__main__":
     cache = BaselineCache(cache_dir, update=False, announce=lambda line: None)
     measurements = make_measurements(config_path, artifacts, cache)
     calls: list[int] = []
-    record = cache.fetch(measurements, measurements.needs["fp8"], fake_baseline(measurements, calls, delay_s=1.5))
+    spec = measurements.config.baseline
+    record = cache.fetch(spec, measurements.baseline_key(measurements.needs["fp8"]), artifacts / spec.name,
+                         fake_baseline(measurements, calls, delay_s=1.5))
     out.write_text(json.dumps({"measured": bool(calls), "cached": record.cached}))

@@ -17,7 +17,7 @@ from pytest_fp8gate.baseline_cache import (
     baseline_key,
     verify,
 )
-from pytest_fp8gate.measure import Needs
+from pytest_fp8gate.record import Needs
 
 NEEDS = Needs(probabilities=True, tasks=frozenset([TASK]))
 
@@ -37,7 +37,9 @@ def fetch(gate: Path, cache_dir: Path, artifacts: Path, lines: list[str], update
     cache = BaselineCache(cache_dir, update, lines.append)
     measurements = make_measurements(gate, artifacts, cache)
     calls: list[int] = []
-    record = cache.fetch(measurements, NEEDS, fake_baseline(measurements, calls))
+    spec = measurements.config.baseline
+    record = cache.fetch(spec, measurements.baseline_key(NEEDS), artifacts / spec.name,
+                         fake_baseline(measurements, calls))
     return record, bool(calls)
 
 

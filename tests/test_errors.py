@@ -64,7 +64,7 @@ ENFORCE_TEST = """
 import pytest
 from pytest_fp8gate import errors
 from pytest_fp8gate.config import load_config
-from pytest_fp8gate.gate import Case
+from pytest_fp8gate.verdict import Case
 from pytest_fp8gate.session import GateSession
 
 @pytest.mark.parametrize("name", {names!r})

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pytest_fp8gate.cases import needs_of
-from pytest_fp8gate.gate import Case
-from pytest_fp8gate.measure import Needs
+from pytest_fp8gate.record import Needs
+from pytest_fp8gate.verdict import Case
 
 CONFIG = """
 device = "{device}"

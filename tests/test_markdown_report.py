@@ -17,9 +17,9 @@ from baseline_fakes import (
 )
 from pytest_fp8gate import markdown_report, plots, rules
 from pytest_fp8gate.engine import Latency
-from pytest_fp8gate.gate import Case, Verdict
 from pytest_fp8gate.markdown_report import ReportData, first_divergence, render, write
-from pytest_fp8gate.measure import ModelResult
+from pytest_fp8gate.record import ModelResult
+from pytest_fp8gate.verdict import Case, Verdict
 
 FLIPPED_TEXT = {3: "We add one and one so the answer is 2.", 7: "We add one and two so the answer is 7."}
 
@@ -123,7 +123,7 @@ JUNIT_TEST = """
 import pytest
 from pytest_fp8gate import rules
 from pytest_fp8gate.session import VERDICT_KEY
-from pytest_fp8gate.gate import Case, Verdict
+from pytest_fp8gate.verdict import Case, Verdict
 
 # What GateSession.enforce does: the verdict goes on the item, then a failing rule fails the test.
 def test_flips(request):
@@ -165,7 +165,7 @@ SESSION_TEST = """
 from pytest_fp8gate import rules
 from pytest_fp8gate.config import load_config
 from pytest_fp8gate.session import VERDICTS_KEY, GateSession
-from pytest_fp8gate.gate import Case, Verdict
+from pytest_fp8gate.verdict import Case, Verdict
 
 def test_rule(pytestconfig, tmp_path):
     # What the fp8gate fixture and GateSession.enforce leave behind, without an engine.

@@ -12,9 +12,11 @@ from fake_engine import FIELDS_0_33, MODELS, FakeModel, fake_engine_class, write
 from pytest_fp8gate.config import load_config
 from pytest_fp8gate.engine import ALL_AT_ONCE, IN_PROCESS_ENV, BatchLayout, Engine
 from pytest_fp8gate.errors import MeasurementError
-from pytest_fp8gate.gate import Case, Gate
+from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.logprobs import TOPK_KL
-from pytest_fp8gate.measure import BATCH_ORDER, Measurements, Needs
+from pytest_fp8gate.measure import BATCH_ORDER, Measurements
+from pytest_fp8gate.record import Needs
+from pytest_fp8gate.verdict import Case
 
 PROBABILITIES = Needs(probabilities=True)
 
@@ -117,10 +119,10 @@ def test_the_noise_passes_run_in_the_baseline_engine_or_their_own(tmp_path: Path
     assert [(name, dtype) for _, name, dtype in calls(found, "start")] == starts
     assert list(noise) == [p for p in ("batch-order", "fp16") if p in passes]
     gate = Gate(found.config, found)
-    candidate_kl = gate.logprob_comparison("good").mean_kl
+    candidate_kl = gate.comparisons.logprobs("good").mean_kl
     for label, run in noise.items():
         # Perturbed by the layout or the dtype: a floor above 0, below a good candidate's distance.
-        assert 0 < gate.logprob_floor()[label].mean_kl < candidate_kl
+        assert 0 < gate.comparisons.logprob_floors()[label].mean_kl < candidate_kl
         assert run.logprobs.positions == found.baseline().main.logprobs.positions
         assert (tmp_path / "artifacts" / "bf16" / label / "logprobs.npz").is_file()
 

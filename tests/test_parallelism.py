@@ -9,8 +9,8 @@ import pytest
 
 from pytest_fp8gate.config import load_config
 from pytest_fp8gate.gate import _roofline
-from pytest_fp8gate.measure import ModelResult, Needs, PassResult
 from pytest_fp8gate.preflight import parallelism_problem
+from pytest_fp8gate.record import ModelResult, Needs, PassResult
 
 CONFIG = """
 [baseline]

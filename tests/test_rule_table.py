@@ -11,11 +11,12 @@ import pytest
 from baseline_fakes import TASK, fake_baseline, logprob_run, make_measurements, sample_rows, write_gate, write_pass
 from pytest_fp8gate import config as config_module
 from pytest_fp8gate import rules, suite
-from pytest_fp8gate.gate import Case, Gate
+from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.logprobs import LogprobComparison
-from pytest_fp8gate.measure import ModelResult
+from pytest_fp8gate.record import ModelResult
 from pytest_fp8gate.report import summary_lines
 from pytest_fp8gate.spec import ProbabilityLimits, SpeedSpec, TaskLimits
+from pytest_fp8gate.verdict import Case
 
 
 def test_the_suite_has_one_test_per_rule() -> None:

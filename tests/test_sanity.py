@@ -13,9 +13,11 @@ from pytest_fp8gate import cli
 from pytest_fp8gate.config import load_config
 from pytest_fp8gate.dumps import SAMPLES_RUN_ID, write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.errors import ComparisonError
-from pytest_fp8gate.gate import Case, Gate, GateError
+from pytest_fp8gate.gate import Gate, GateError
 from pytest_fp8gate.logprobs import LogprobRun
-from pytest_fp8gate.measure import MeasurementError, Measurements, ModelResult, Needs, PassResult
+from pytest_fp8gate.measure import MeasurementError, Measurements
+from pytest_fp8gate.record import ModelResult, Needs, PassResult
+from pytest_fp8gate.verdict import Case
 
 
 def _run(**overrides: np.ndarray) -> LogprobRun:

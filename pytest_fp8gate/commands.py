@@ -1,0 +1,42 @@
+"""The ``fp8gate`` command lines that recompute a verdict's number from the run's artifacts."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from .options import display_path
+from .record import PassResult
+from .spec import TaskSpec
+
+# estimate_from_path's arguments as `fp8gate roofline` options
+_ROOFLINE_OPTIONS = {"quantization": "--quantization", "bandwidth_gbps": "--bandwidth-gbps",
+                     "context_tokens": "--context", "kv_cache_dtype": "--kv-cache-dtype"}
+
+
+def fp8gate_command(*words: Any) -> str:
+    """An ``fp8gate`` command line, shell-quoted, with paths as the user would type them."""
+    return " ".join(shlex.quote(str(display_path(w)) if isinstance(w, Path) else str(w)) for w in ("fp8gate", *words))
+
+
+def compare_logprobs_command(base: PassResult, cand: PassResult) -> str | None:
+    """``fp8gate compare-logprobs`` on two passes' dumps (None: a pass wrote none)."""
+    if base.logprobs_path is None or cand.logprobs_path is None:
+        return None
+    return fp8gate_command("compare-logprobs", base.logprobs_path, cand.logprobs_path)
+
+
+def flips_command(base: PassResult, cand: PassResult, task: TaskSpec) -> str | None:
+    """``fp8gate flips`` on two passes' samples of ``task`` (None: a pass did not run it)."""
+    base_samples, cand_samples = base.samples.get(task.name), cand.samples.get(task.name)
+    if base_samples is None or cand_samples is None:
+        return None
+    return fp8gate_command("flips", base_samples, cand_samples, "--filter", task.filter, "--metric", task.metric)
+
+
+def roofline_command(weights: Path, arguments: dict[str, Any]) -> str:
+    """``fp8gate roofline`` with ``estimate_from_path``'s arguments as its options."""
+    options = [word for key, value in arguments.items() if value is not None
+               for word in (_ROOFLINE_OPTIONS[key], f"{value:g}" if isinstance(value, float) else value)]
+    return fp8gate_command("roofline", weights, *options)

