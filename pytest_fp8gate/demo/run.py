@@ -13,40 +13,78 @@ a further candidate, so one session loads the baseline once for all of them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import Any
 
+from ..config import tomllib  # the loader's own: tomli before Python 3.11
+
 DEMO_CONFIG = Path(__file__).resolve().parent / "thresholds.toml"
-ASSETS_PREFIX = '"../assets/'
+# The shipped config's paths, relative to it, that the written one needs absolute: (table, key).
+ASSET_PATHS = (("baseline", "model"), ("probabilities", "corpus"), ("tasks", "include_path"))
 CHECKPOINT_SCHEMES = ("fp8-dynamic", "fp8-static")
 REROUNDED_SEED = 1  # the first of benchmarks/validity.py's re-rounded nulls
 TASK_QUESTIONS = 500  # the embedded task's test split; the shipped demo judges all of them
-QUESTIONS_LINE = f"limit = {TASK_QUESTIONS}"
-# The CPU demo's engine lines and what a CUDA GPU runs instead: CUDA graphs (real decode
-# speed) and the GPU's bandwidth from the table.
-_CUDA_EDITS = {
-    'device = "cpu"': 'device = "cuda"',
-    "enforce_eager = true": "enforce_eager = false",
-}
+
+
+def demo_config(plants: dict[str, Path], builds: dict[str, Path] | None = None, cuda: bool = False,
+                questions: int | None = None) -> dict[str, Any]:
+    """The demo thresholds as data: the shipped file with absolute asset paths, plus one candidate per
+    written build and plant. ``cuda`` runs CUDA graphs (real decode speed) against the GPU's bandwidth."""
+    with DEMO_CONFIG.open("rb") as handle:
+        config = tomllib.load(handle)
+    for table, key in ASSET_PATHS:
+        for entry in config[table] if isinstance(config[table], list) else [config[table]]:
+            entry[key] = (DEMO_CONFIG.parent / entry[key]).resolve().as_posix()
+    if cuda:
+        config["device"] = "cuda"
+        config["baseline"]["engine"]["enforce_eager"] = False
+    if questions is not None:
+        for task in config["tasks"]:
+            task["limit"] = questions
+    named = {**(builds or {}), **{f"planted-{kind}": path for kind, path in plants.items()}}
+    config["candidates"] += [{"name": name, "model": path.as_posix()} for name, path in named.items()]
+    return config
 
 
 def demo_config_text(plants: dict[str, Path], builds: dict[str, Path] | None = None, cuda: bool = False,
                      questions: int | None = None) -> str:
-    """The demo thresholds with absolute asset paths, plus one candidate per written build and plant."""
-    assets = DEMO_CONFIG.parent.parent / "assets"
-    text = DEMO_CONFIG.read_text(encoding="utf-8").replace(ASSETS_PREFIX, f'"{assets.as_posix()}/')
-    edits = dict(_CUDA_EDITS) if cuda else {}
-    if questions is not None:
-        edits[QUESTIONS_LINE] = f"limit = {questions}"
-    for shipped_line, new_line in edits.items():
-        if shipped_line not in text:
-            raise RuntimeError(f"{DEMO_CONFIG}: expected the line {shipped_line!r} to adapt")
-        text = text.replace(shipped_line, new_line)
-    named = {**(builds or {}), **{f"planted-{kind}": path for kind, path in plants.items()}}
-    for name, path in named.items():
-        text += f'\n[[candidates]]\nname = "{name}"\nmodel = "{path.as_posix()}"\n'
-    return text
+    """``demo_config`` as a TOML file's text."""
+    return toml_text(demo_config(plants, builds, cuda, questions))
+
+
+def toml_text(document: dict[str, Any]) -> str:
+    """TOML for what a thresholds file holds: tables, arrays of tables, strings, numbers, booleans, arrays."""
+    return "\n".join(_toml_table(document, ())).lstrip("\n") + "\n"
+
+
+def _toml_table(table: dict[str, Any], path: tuple[str, ...]) -> list[str]:
+    def arrays_of_tables(value: Any) -> bool:
+        return isinstance(value, list) and bool(value) and all(isinstance(item, dict) for item in value)
+
+    lines = [f"{key} = {_toml_value(value)}" for key, value in table.items()
+             if not isinstance(value, dict) and not arrays_of_tables(value)]
+    for key, value in table.items():
+        name = ".".join((*path, key))
+        if isinstance(value, dict):
+            lines += ["", f"[{name}]", *_toml_table(value, (*path, key))]
+        elif arrays_of_tables(value):
+            for item in value:
+                lines += ["", f"[[{name}]]", *_toml_table(item, (*path, key))]
+    return lines
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
 
 
 def demo_builds(source: Path, directory: Path) -> dict[str, Path]:
