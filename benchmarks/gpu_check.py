@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.fp8_checkpoint import MARKER as QUANTIZED_MARKER
-from pytest_fp8gate.fp8_checkpoint import write_fp8_checkpoint
+from pytest_fp8gate.fp8_writer import MARKER as QUANTIZED_MARKER
+from pytest_fp8gate.fp8_writer import write_fp8_checkpoint
 from pytest_fp8gate.roofline import estimate_from_path
 from pytest_fp8gate.shapes import MARKER as RANDOM_MARKER
 from pytest_fp8gate.shapes import write_random_checkpoint

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from pytest_fp8gate.config import load_config
 from pytest_fp8gate.corpus import chunk_corpus
 from pytest_fp8gate.demo.embedded import embedded_assets
 from pytest_fp8gate.demo.planting import PLANT_KINDS, plant
@@ -32,6 +31,7 @@ from pytest_fp8gate.demo.run import DEMO_CONFIG
 from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine
 from pytest_fp8gate.logprobs import compare_logprobs
 from pytest_fp8gate.spec import ModelSpec, ProbabilitySpec
+from pytest_fp8gate.thresholds import load_config
 
 CHUNK_TOKENS = 1024
 STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")

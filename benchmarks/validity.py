@@ -46,7 +46,6 @@ from pytest_fp8gate.answers import (
     detectable_flip_rate,
     flip_rule_power,
 )
-from pytest_fp8gate.config import load_config
 from pytest_fp8gate.corpus import chunk_corpus
 from pytest_fp8gate.demo.planting import (
     Recipe,
@@ -61,6 +60,7 @@ from pytest_fp8gate.lm_adapter import run_task, task_manager
 from pytest_fp8gate.logprobs import LogprobComparison, LogprobRun, compare_logprobs
 from pytest_fp8gate.measure import BATCH_ORDER
 from pytest_fp8gate.spec import GateConfig, ModelSpec
+from pytest_fp8gate.thresholds import load_config
 
 STRETCHES = (5e3, 1e4, 2e4, 3e4)  # 2e4 is the shipped `mild` plant
 NOISE_SIZES = (0.04, 0.08, 0.12, 0.18)  # Gaussian sigma / matrix RMS

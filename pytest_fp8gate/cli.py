@@ -265,7 +265,7 @@ def _run_plant(args: argparse.Namespace) -> int:
 
 
 def _add_quantize(subparsers: Any) -> None:
-    from .fp8_checkpoint import SCHEMES
+    from .fp8_writer import SCHEMES
 
     parser = subparsers.add_parser(
         "quantize",
@@ -286,7 +286,7 @@ def _add_quantize(subparsers: Any) -> None:
 
 def _run_quantize(args: argparse.Namespace) -> int:
     from .demo.embedded import embedded_assets
-    from .fp8_checkpoint import calibration_pieces, write_fp8_checkpoint
+    from .fp8_writer import calibration_pieces, write_fp8_checkpoint
 
     pieces = calibration_pieces((args.calibration or embedded_assets().corpus).read_text(encoding="utf-8"))
     path = write_fp8_checkpoint(args.source, args.out_dir, args.scheme, calibration=pieces, device=args.device)

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from . import gpus
+from . import gpu_bandwidths
 
 _SMI_TIMEOUT_S = 20
 
@@ -57,10 +57,10 @@ def resolve_gpu_name(name: str) -> str | None:
     return names[0] if names else None
 
 
-def gpu_bandwidth(gpu: str) -> tuple[str, float] | None:
+def detected_bandwidth(gpu: str) -> tuple[str, float] | None:
     """The GPU named by ``speed.gpu`` ("auto": the visible one) and its GB/s from the table, if listed."""
     name = resolve_gpu_name(gpu)
-    entry = gpus.find_gpu(name) if name else None
+    entry = gpu_bandwidths.find_gpu(name) if name else None
     return (entry.name, entry.bandwidth_gbps) if entry else None
 
 

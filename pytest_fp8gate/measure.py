@@ -254,7 +254,7 @@ class Measurements:
         speed = self.config.speed
         assert speed is not None
         # A configured bandwidth is judged as given; otherwise the GPU's figure, if the table lists it.
-        result.memory_bandwidth = None if speed.bandwidth_gbps > 0 else hardware.gpu_bandwidth(speed.gpu)
+        result.memory_bandwidth = None if speed.bandwidth_gbps > 0 else hardware.detected_bandwidth(speed.gpu)
         result.weights = checkpoint.weights_dir(result.spec.model)
 
     def _passes(

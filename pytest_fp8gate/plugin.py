@@ -7,12 +7,12 @@ from typing import cast
 
 import pytest
 
-from . import gating, hardware, lifecycle, options, report, session
+from . import hardware, lifecycle, options, refusals, report_hooks, session
 from .cases import needs_of
 from .collect import ThresholdsFile
-from .config import ConfigError, load_config
 from .options import SETTINGS_KEY
 from .session import CONFIG_KEY, NEEDS_KEY, VERDICTS_KEY
+from .thresholds import ConfigError, load_config
 from .verdict import Case
 
 
@@ -27,8 +27,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SETTINGS_KEY] = settings
     config.stash[CONFIG_KEY] = None
     config.pluginmanager.register(session, "fp8gate-session")
-    config.pluginmanager.register(report.JsonReportMetadata(), "fp8gate-json-report")
-    config.pluginmanager.register(report.SessionReport(), "fp8gate-report")
+    config.pluginmanager.register(report_hooks.JsonReportMetadata(), "fp8gate-json-report")
+    config.pluginmanager.register(report_hooks.SessionReport(), "fp8gate-report")
     # `pytest --help` must keep working while the thresholds file is broken.
     if config.getoption("help", False):
         return
@@ -37,8 +37,8 @@ def pytest_configure(config: pytest.Config) -> None:
             config.stash[CONFIG_KEY] = load_config(options.display_path(settings.config_path))
         except ConfigError as err:
             raise pytest.UsageError(str(err)) from None
-        gating.check_not_distributed(config)
-    gating.check_toml_args(config, settings.config_path)
+        refusals.check_not_distributed(config)
+    refusals.check_toml_args(config, settings.config_path)
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
@@ -54,21 +54,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_deselected(items: list[pytest.Item]) -> None:
     if items:
-        gating.count_deselected(items[0].config, items)
+        refusals.count_deselected(items[0].config, items)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     gate = session.config.stash.get(CONFIG_KEY, None)
     if gate is not None:
-        gating.check_selection(session, session.config.stash[SETTINGS_KEY], gate)
+        refusals.check_selection(session, session.config.stash[SETTINGS_KEY], gate)
         # What each engine measures follows the rule tests left after -k/-m deselection that will run.
         cases = [cast(Case, item.callspec.params["case"]) for item in session.items
-                 if gating.is_rule(item) and not item.get_closest_marker("skip")]
+                 if refusals.is_rule(item) and not item.get_closest_marker("skip")]
         session.config.stash[NEEDS_KEY] = needs_of(cases)
 
 
 def pytest_runtest_call(item: pytest.Item) -> None:
-    gating.record_call(item)
+    refusals.record_call(item)
 
 
 def _skip_gpu_items_without_gpu(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -117,15 +117,15 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     gate = session.config.stash.get(CONFIG_KEY, None)
     if gate is not None:
-        gating.check_gpu_ran(session, session.config.stash[SETTINGS_KEY], gate)
+        refusals.check_gpu_ran(session, session.config.stash[SETTINGS_KEY], gate)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    complaint = gating.complaint(config)
+    complaint = refusals.complaint(config)
     if complaint:
         terminalreporter.write_line(f"fp8gate: {complaint}", red=True, bold=True)
     verdicts = config.stash.get(VERDICTS_KEY, [])
     if verdicts:
         terminalreporter.write_sep("=", "fp8gate summary")
-        for line in report.summary_lines(verdicts):
+        for line in report_hooks.summary_lines(verdicts):
             terminalreporter.write_line(line)

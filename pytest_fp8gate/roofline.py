@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import gpus
+from . import gpu_bandwidths
 from .checkpoint import read_header, read_json, safetensors_files, text_config
 from .errors import RooflineError
 
@@ -312,13 +312,13 @@ def _tensors_from_safetensors(shards: list[Path]) -> list[_Tensor]:
 def _bandwidth(gpu: str | None, bandwidth_gbps: float | None) -> tuple[str | None, float | None]:
     if bandwidth_gbps is not None and not (math.isfinite(bandwidth_gbps) and bandwidth_gbps >= 0):
         raise RooflineError(f"bandwidth_gbps must be >= 0 and finite, got {bandwidth_gbps}")
-    entry = gpus.find_gpu(gpu) if gpu else None
+    entry = gpu_bandwidths.find_gpu(gpu) if gpu else None
     if bandwidth_gbps:  # an explicit figure wins over the table
         return (entry.name if entry else gpu), float(bandwidth_gbps)
     if entry:
         return entry.name, entry.bandwidth_gbps
     if gpu:
         raise RooflineError(
-            f"unknown GPU {gpu!r}; give its bandwidth in GB/s or use one of: {', '.join(gpus.known_names())}"
+            f"unknown GPU {gpu!r}; give its bandwidth in GB/s or use one of: {', '.join(gpu_bandwidths.known_names())}"
         )
     return None, None

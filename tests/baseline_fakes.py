@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from pytest_fp8gate.config import load_config
 from pytest_fp8gate.dumps import write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.logprobs import LogprobRun
 from pytest_fp8gate.measure import Measurements
 from pytest_fp8gate.record import BaselineRecord, ModelResult, Needs, PassResult
 from pytest_fp8gate.spec import GateConfig
+from pytest_fp8gate.thresholds import load_config
 
 VOCAB = 8
 POSITIONS = 400

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.config import ConfigError, load_config
 from pytest_fp8gate.spec import (
     WIKITEXT_2,
     DatasetCorpus,
@@ -15,6 +14,7 @@ from pytest_fp8gate.spec import (
     SpeedSpec,
     TaskLimits,
 )
+from pytest_fp8gate.thresholds import ConfigError, load_config
 
 REPO_THRESHOLDS = Path(__file__).parent.parent / "thresholds.toml"
 

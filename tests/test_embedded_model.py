@@ -22,9 +22,9 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pytest_fp8gate.config import load_config  # noqa: E402
 from pytest_fp8gate.demo.run import DEMO_CONFIG  # noqa: E402
 from pytest_fp8gate.engine import Engine, IdScoringUnavailable  # noqa: E402
+from pytest_fp8gate.thresholds import load_config  # noqa: E402
 
 ASSETS = embedded_assets()
 # vLLM and transformers both run the BF16 weights in BF16 but with different
@@ -102,7 +102,7 @@ def test_deterministic_scheduling_runs_the_engine_core_in_process() -> None:
     # A subprocess: vLLM caches its environment for the whole process once an in-process core starts.
     script = textwrap.dedent("""
         import multiprocessing
-        from pytest_fp8gate.config import load_config
+        from pytest_fp8gate.thresholds import load_config
         from pytest_fp8gate.demo.run import DEMO_CONFIG
         from pytest_fp8gate.engine import Engine
         config = load_config(DEMO_CONFIG)

@@ -63,7 +63,7 @@ def test_usage_errors_are_what_the_user_gave() -> None:
 ENFORCE_TEST = """
 import pytest
 from pytest_fp8gate import errors
-from pytest_fp8gate.config import load_config
+from pytest_fp8gate.thresholds import load_config
 from pytest_fp8gate.verdict import Case
 from pytest_fp8gate.session import GateSession
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate import fp8_checkpoint
+from pytest_fp8gate import fp8_writer
 from pytest_fp8gate.checkpoint import read_header
 from pytest_fp8gate.cli import main as fp8gate_main
 from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.fp8_checkpoint import QuantizeError, quantize_weight, write_fp8_checkpoint
+from pytest_fp8gate.fp8_writer import QuantizeError, quantize_weight, write_fp8_checkpoint
 from pytest_fp8gate.roofline import estimate_from_path
 from pytest_fp8gate.shapes import SHAPES, tensor_shapes, write_random_checkpoint
 
@@ -118,4 +118,4 @@ def test_random_checkpoint_of_the_large_vocabulary_reads_like_its_config(tmp_pat
 def test_quantize_cli_writes_a_loadable_layout(tmp_path: Path, capsys: pytest.CaptureFixture):
     assert fp8gate_main(["quantize", str(embedded_assets().model), str(tmp_path / "q")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "q")
-    assert (tmp_path / "q" / fp8_checkpoint.MARKER).is_file()
+    assert (tmp_path / "q" / fp8_writer.MARKER).is_file()

@@ -131,8 +131,8 @@ def test_demo_creates_its_workdir_and_collects_the_demo_rules(tmp_path) -> None:
 
 
 def test_demo_on_cuda_judges_speed_with_cuda_graphs(tmp_path) -> None:
-    from pytest_fp8gate.config import load_config
     from pytest_fp8gate.demo.run import demo_config_text
+    from pytest_fp8gate.thresholds import load_config
 
     path = tmp_path / "thresholds.toml"
     path.write_text(demo_config_text({}, cuda=True), encoding="utf-8")
@@ -145,7 +145,7 @@ def test_cpu_skips_a_candidate_it_cannot_run_with_the_engines_reason(pytester: p
     pytest.importorskip("torch")
     from pytest_fp8gate.demo.embedded import embedded_assets
     from pytest_fp8gate.demo.run import CHECKPOINT_SCHEMES, demo_config_text
-    from pytest_fp8gate.fp8_checkpoint import write_fp8_checkpoint
+    from pytest_fp8gate.fp8_writer import write_fp8_checkpoint
 
     # One sentence calibrates: the skip reads the checkpoint's layout, not its scales (the
     # demo's 16 pieces of 2,048 tokens take a minute on two cores).

@@ -163,7 +163,7 @@ def test_rule_numbers_land_in_junit_properties(pytester: pytest.Pytester, family
 
 SESSION_TEST = """
 from pytest_fp8gate import rules
-from pytest_fp8gate.config import load_config
+from pytest_fp8gate.thresholds import load_config
 from pytest_fp8gate.session import VERDICTS_KEY, GateSession
 from pytest_fp8gate.verdict import Case, Verdict
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from fake_engine import FIELDS_0_33, MODELS, FakeModel, fake_engine_class, write_gate
-from pytest_fp8gate.config import load_config
 from pytest_fp8gate.engine import ALL_AT_ONCE, IN_PROCESS_ENV, BatchLayout, Engine
 from pytest_fp8gate.errors import MeasurementError
 from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.logprobs import TOPK_KL
 from pytest_fp8gate.measure import BATCH_ORDER, Measurements
 from pytest_fp8gate.record import Needs
+from pytest_fp8gate.thresholds import load_config
 from pytest_fp8gate.verdict import Case
 
 PROBABILITIES = Needs(probabilities=True)

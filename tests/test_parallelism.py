@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.config import load_config
 from pytest_fp8gate.gate import _roofline
 from pytest_fp8gate.preflight import parallelism_problem
 from pytest_fp8gate.record import ModelResult, Needs, PassResult
+from pytest_fp8gate.thresholds import load_config
 
 CONFIG = """
 [baseline]

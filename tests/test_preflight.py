@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.config import ConfigError, load_config
+from pytest_fp8gate.thresholds import ConfigError, load_config
 
 GATE = """
 [baseline]

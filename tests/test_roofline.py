@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate import gpus
+from pytest_fp8gate import gpu_bandwidths
 from pytest_fp8gate.roofline import RooflineError, estimate_from_path
 
 GB = 1e9
@@ -298,15 +298,15 @@ def test_bad_config(tmp_path: Path):
     ],
 )
 def test_gpu_names_as_cuda_reports_them(reported: str, name: str, bandwidth: float):
-    gpu = gpus.find_gpu(reported)
+    gpu = gpu_bandwidths.find_gpu(reported)
     assert gpu is not None and (gpu.name, gpu.bandwidth_gbps) == (name, bandwidth)
 
 
 @pytest.mark.parametrize("reported", ["NVIDIA GH200 480GB", "AMD Instinct MI300X", "Quadro RTX 6000", ""])
 def test_unknown_gpus(reported: str):
-    assert gpus.find_gpu(reported) is None
+    assert gpu_bandwidths.find_gpu(reported) is None
 
 
 def test_every_table_name_finds_its_own_entry():
-    for gpu in gpus.GPU_TABLE:
-        assert gpus.find_gpu(gpu.name) is gpu
+    for gpu in gpu_bandwidths.GPU_TABLE:
+        assert gpu_bandwidths.find_gpu(gpu.name) is gpu

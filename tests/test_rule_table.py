@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from baseline_fakes import TASK, fake_baseline, logprob_run, make_measurements, sample_rows, write_gate, write_pass
-from pytest_fp8gate import config as config_module
 from pytest_fp8gate import rules, suite
+from pytest_fp8gate import thresholds as config_module
 from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.logprobs import LogprobComparison
 from pytest_fp8gate.record import ModelResult
-from pytest_fp8gate.report import summary_lines
+from pytest_fp8gate.report_hooks import summary_lines
 from pytest_fp8gate.spec import ProbabilityLimits, SpeedSpec, TaskLimits
 from pytest_fp8gate.verdict import Case
 

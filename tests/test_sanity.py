@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from pytest_fp8gate import cli
-from pytest_fp8gate.config import load_config
 from pytest_fp8gate.dumps import SAMPLES_RUN_ID, write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.errors import ComparisonError
 from pytest_fp8gate.gate import Gate, GateError
 from pytest_fp8gate.logprobs import LogprobRun
 from pytest_fp8gate.measure import MeasurementError, Measurements
 from pytest_fp8gate.record import ModelResult, Needs, PassResult
+from pytest_fp8gate.thresholds import load_config
 from pytest_fp8gate.verdict import Case
 
 

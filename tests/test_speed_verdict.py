@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.config import load_config
 from pytest_fp8gate.demo.run import demo_config_text
 from pytest_fp8gate.engine import Latency
 from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.options import display_path
 from pytest_fp8gate.record import ModelResult, PassResult
 from pytest_fp8gate.roofline import decode_context_tokens, estimate_from_path
+from pytest_fp8gate.thresholds import load_config
 from pytest_fp8gate.verdict import Case
 
 

@@ -9,9 +9,9 @@ import pytest
 
 from fake_engine import MODELS, fake_engine_class, write_gate
 from pytest_fp8gate import cases, hardware, suite
-from pytest_fp8gate.config import load_config
 from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.measure import Measurements
+from pytest_fp8gate.thresholds import load_config
 from pytest_fp8gate.verdict import Verdict
 
 RULE_TESTS = sorted(name for name in vars(suite) if name.startswith("test_"))

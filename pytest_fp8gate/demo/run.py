@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..config import tomllib  # the loader's own: tomli before Python 3.11
+from ..thresholds import tomllib  # the loader's own: tomli before Python 3.11
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "thresholds.toml"
 # The shipped config's paths, relative to it, that the written one needs absolute: (table, key).
@@ -90,7 +90,7 @@ def _toml_value(value: Any) -> str:
 def demo_builds(source: Path, directory: Path) -> dict[str, Path]:
     """The demo's written candidates, once per workdir (a complete one is reused): the
     pre-quantized checkpoints and the equally valid BF16 build."""
-    from ..fp8_checkpoint import MARKER, calibration_pieces, write_fp8_checkpoint
+    from ..fp8_writer import MARKER, calibration_pieces, write_fp8_checkpoint
     from .embedded import embedded_assets
     from .planting import REROUNDED, write_rerounded
 

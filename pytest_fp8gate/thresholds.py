@@ -15,7 +15,7 @@ from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Collection
 
-from . import checkpoint, gpus, roofline
+from . import checkpoint, gpu_bandwidths, roofline
 from .errors import CheckpointError, ConfigError, RooflineError
 from .rules import FLIP_RULES, RULES, SPEED_RULES
 from .spec import (
@@ -509,13 +509,14 @@ class _Parser:
     def speed(self, table: _Table) -> SpeedSpec:
         values = table.values(SpeedSpec, _SPEED_CHECKS)
         if values["gpu"] != "auto":
-            entry = gpus.find_gpu(values["gpu"])
+            entry = gpu_bandwidths.find_gpu(values["gpu"])
             if entry is not None:
                 values["gpu"] = entry.name
             elif not values["bandwidth_gbps"]:
                 raise self.error(
                     table.key("gpu"),
-                    f'unknown GPU {values["gpu"]!r}; expected "auto", one of {", ".join(gpus.known_names())}, '
+                    f'unknown GPU {values["gpu"]!r}; expected "auto", '
+                    f'one of {", ".join(gpu_bandwidths.known_names())}, '
                     "or any label together with speed.bandwidth_gbps > 0",
                 )
         return SpeedSpec(**values)
