@@ -6,6 +6,9 @@ thresholds file given or found in rootdir, a TOML file among the arguments, or o
 of the gate's options, ini keys or environment flag set. Only then are the
 collector, the session and the report registered. A run that does not ask for
 the gate meets one report-header line and two fixtures that skip.
+
+PYTEST_DONT_REWRITE: this module holds no assert, and rewriting it would cost every
+start where bytecode is not cached.
 """
 
 from __future__ import annotations
