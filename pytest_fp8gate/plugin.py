@@ -4,7 +4,7 @@ Loading this module costs nothing: it imports only pytest and the standard libra
 The gate's modules (and numpy) are imported once a run asks for the gate: a
 thresholds file given or found in rootdir, a TOML file among the arguments, or one
 of the gate's options, ini keys or environment flag set. Only then are the
-collector, the session and the report registered. A run that does not ask for
+collector, the session's hooks and the reports registered. A run that does not ask for
 the gate meets one report-header line and two fixtures that skip.
 
 PYTEST_DONT_REWRITE: this module holds no assert, and rewriting it would cost every
@@ -89,6 +89,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[options.SETTINGS_KEY] = settings
     config.stash[CONFIG_KEY] = None
     config.pluginmanager.register(_Gate(), _GATE_PLUGIN)
+    config.pluginmanager.register(report.JsonReportMetadata(), "fp8gate-json-report")
+    config.pluginmanager.register(report.SessionReport(), "fp8gate-report")
     # `pytest --help` must keep working while the thresholds file is broken.
     if config.getoption("help", False):
         return
@@ -98,8 +100,6 @@ def pytest_configure(config: pytest.Config) -> None:
         except ConfigError as err:
             raise pytest.UsageError(str(err)) from None
         gating.check_not_distributed(config)
-        config.pluginmanager.register(report.JsonReportMetadata(), "fp8gate-json-report")
-        config.pluginmanager.register(report.SessionReport(), "fp8gate-report")
     gating.check_toml_args(config, settings.config_path)
 
 
