@@ -250,21 +250,9 @@ def fake_engine_class(models: dict[str, FakeModel] | None = None, **settings: An
 
 
 # The baseline, both noise passes and the corpus: the head of every fake gate's thresholds.
-BASELINE_HEAD = """device = "cpu"
-
-[baseline]
-name = "bf16"
-model = "{model}"
-[baseline.engine]
-dtype = "bfloat16"
-max_model_len = 2048
-
-[noise]
-passes = ["batch-order", "fp16"]
-
-[probabilities]
-corpus = "corpus.txt"
-"""
+BASELINE_HEAD = thresholds_text('[noise]\npasses = ["batch-order", "fp16"]', '[probabilities]\ncorpus = "corpus.txt"',
+                                model="{model}", candidate=None, head='device = "cpu"',
+                                baseline_engine='dtype = "bfloat16"\nmax_model_len = 2048')
 # A task in lm-eval's GSM8K format that the fake models can answer: the number asked for.
 TASK_YAML = """task: fp8gate_fake_echo
 dataset_path: json

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from fakes import thresholds_text
 from pytest_fp8gate import hardware
 
 if sys.version_info >= (3, 11):
@@ -11,17 +12,7 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-VALID = """
-[baseline]
-name = "bf16"
-model = "org/base"
-
-[[candidates]]
-name = "fp8"
-quantization = "fp8_per_channel"
-
-[speed]
-"""
+VALID = thresholds_text("[speed]")
 
 GPU_TEST = """
 import pytest
@@ -186,7 +177,7 @@ BAD_THRESHOLDS = {
         "thresholds.toml: speed.min_fraction_of_ceiling: expected a number in (0, 1], got 80",
     ),
     "empty candidates": (
-        'candidates = []\n[baseline]\nname = "bf16"\nmodel = "org/base"\n[speed]\n',
+        thresholds_text("[speed]", candidate=None, head="candidates = []"),
         "thresholds.toml: candidates: expected at least one [[candidates]] table",
     ),
     "duplicate names": (
