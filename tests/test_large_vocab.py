@@ -3,7 +3,7 @@
 The shape's body is tiny (random weights), but the vocabulary is the real one: the
 gate must take the top-k path, score the candidate as well as the engine allows, and
 say which KL it computed. On CUDA vLLM 0.26 the same path ran on the 8B shape
-(README, "Measured on an H200").
+(benchmarks/README.md, "H200").
 """
 
 from __future__ import annotations
