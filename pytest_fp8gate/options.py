@@ -1,4 +1,4 @@
-"""Options and ini keys of the fp8gate plugin, and how they are read into Settings."""
+"""How the fp8gate plugin's options and ini keys (declared in plugin.py) are read into Settings."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-DEFAULT_CONFIG_NAME = "thresholds.toml"
-REQUIRE_GPU_ENV = "FP8GATE_REQUIRE_GPU"
+from . import DEFAULT_CONFIG_NAME, REQUIRE_GPU_ENV
+
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
@@ -37,48 +37,6 @@ class Settings:
 
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
-
-
-def add_options(parser: pytest.Parser) -> None:
-    group = parser.getgroup("fp8gate", "FP8 deploy gate")
-    group.addoption(
-        "--fp8gate-config",
-        metavar="PATH",
-        help=f"Thresholds TOML of the gate (default: {DEFAULT_CONFIG_NAME} in rootdir, when present)",
-    )
-    group.addoption(
-        "--fp8gate-require-gpu",
-        action="store_true",
-        help=f"Error out instead of skipping gpu tests when no CUDA device is visible (also {REQUIRE_GPU_ENV}=1)",
-    )
-    group.addoption("--fp8gate-artifacts", metavar="DIR", help="Directory for the gate's run artifacts")
-    group.addoption(
-        "--fp8gate-baseline-cache",
-        metavar="DIR",
-        help="Reuse the baseline's measurements across runs from DIR, keyed by everything that changes them",
-    )
-    group.addoption(
-        "--fp8gate-update-baseline",
-        action="store_true",
-        help="Measure the baseline again and replace its entry in the baseline cache",
-    )
-    group.addoption(
-        "--fp8gate-report",
-        metavar="PATH",
-        help="Write a markdown report of the verdicts to PATH, its plots next to it "
-        "(also appended to $GITHUB_STEP_SUMMARY when set)",
-    )
-    group.addoption(
-        "--fp8gate-allow-no-rules",
-        action="store_true",
-        help="Let a run with a thresholds file select none of its rules (by default that is an error)",
-    )
-    parser.addini("fp8gate_config", "Thresholds TOML of the gate, relative to the ini file")
-    parser.addini("fp8gate_require_gpu", "Error out instead of skipping gpu tests without a CUDA device", type="bool")
-    parser.addini("fp8gate_artifacts", "Directory for the gate's run artifacts, relative to the ini file")
-    parser.addini("fp8gate_baseline_cache", "Baseline cache directory, relative to the ini file")
-    parser.addini("fp8gate_report", "Markdown report path, relative to the ini file")
-    parser.addini("fp8gate_allow_no_rules", "Let a run select none of the thresholds file's rules", type="bool")
 
 
 def read_settings(config: pytest.Config) -> Settings:

@@ -1,4 +1,4 @@
-"""The gate's session: its stash keys, the GateSession and the session fixtures (usable from any test)."""
+"""The gate's session: its stash keys and the GateSession (plugin.py's fixtures hand it to tests)."""
 
 from __future__ import annotations
 
@@ -71,20 +71,3 @@ class GateSession:
         if not verdict.passed:
             pytest.fail(verdict.explain(), pytrace=False)
 
-
-@pytest.fixture(scope="session")
-def fp8gate_config(pytestconfig: pytest.Config) -> GateConfig:
-    """The loaded thresholds file (skips when the session has none)."""
-    gate_config = pytestconfig.stash[CONFIG_KEY]
-    if gate_config is None:
-        pytest.skip("no fp8gate thresholds file (--fp8gate-config)")
-    return gate_config
-
-
-@pytest.fixture(scope="session")
-def fp8gate(pytestconfig: pytest.Config, fp8gate_config: GateConfig,
-            tmp_path_factory: pytest.TempPathFactory) -> GateSession:
-    """The gate session: ``fp8gate.measurements.baseline()``, ``.candidate(name)``, ``.gate``."""
-    artifacts = pytestconfig.stash[SETTINGS_KEY].artifacts or tmp_path_factory.mktemp("fp8gate-artifacts")
-    artifacts.mkdir(parents=True, exist_ok=True)
-    return GateSession(pytestconfig, fp8gate_config, artifacts)

@@ -1,3 +1,9 @@
+"""The repository's own test setup: pytester, and the fixtures the test files share.
+
+Shared code that is not a fixture (thresholds text, the fake engine, recorded
+measurements) lives in fakes.py, which the test files import.
+"""
+
 from __future__ import annotations
 
 import json
@@ -8,6 +14,8 @@ from typing import Callable
 import pytest
 
 from pytest_fp8gate import hardware
+
+pytest_plugins = ["pytester"]
 
 DATA = Path(__file__).parent / "data"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from baseline_fakes import TASK, fake_baseline, make_measurements, write_gate
+from fakes import TASK, fake_baseline, make_measurements, write_recorded_gate
 from pytest_fp8gate import provenance
 from pytest_fp8gate.baseline_cache import (
     BaselineCache,
@@ -24,7 +24,7 @@ NEEDS = Needs(probabilities=True, tasks=frozenset([TASK]))
 
 @pytest.fixture
 def gate(tmp_path: Path) -> Path:
-    return write_gate(tmp_path / "gate")
+    return write_recorded_gate(tmp_path / "gate")
 
 
 @pytest.fixture
@@ -157,7 +157,7 @@ def test_a_key_mismatch_is_detected(gate: Path, tmp_path: Path, lines: list[str]
 
 
 def test_two_concurrent_runs_leave_one_valid_entry(gate: Path, tmp_path: Path):
-    script = Path(__file__).with_name("baseline_fakes.py")
+    script = Path(__file__).with_name("fakes.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), str(script.parent)]))
     runs = [subprocess.Popen([sys.executable, str(script), str(gate), str(tmp_path / "cache"),
                               str(tmp_path / f"run{i}"), str(tmp_path / f"out{i}.json")], env=env)

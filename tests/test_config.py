@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from fakes import thresholds_text
 from pytest_fp8gate.spec import (
     WIKITEXT_2,
     DatasetCorpus,
@@ -18,16 +19,8 @@ from pytest_fp8gate.thresholds import ConfigError, load_config
 
 REPO_THRESHOLDS = Path(__file__).parent.parent / "thresholds.toml"
 
-MODELS = """
-[baseline]
-name = "bf16"
-model = "org/base"
-
-[[candidates]]
-name = "fp8"
-quantization = "fp8_per_channel"
-"""
-MINIMAL = MODELS + "\n[speed]\n"
+MODELS = thresholds_text()
+MINIMAL = thresholds_text("[speed]")
 
 
 @pytest.fixture
@@ -277,15 +270,15 @@ BAD_INPUTS = {
         "baseline: missing required table [baseline]",
     ),
     "missing candidates": (
-        '[baseline]\nname = "bf16"\nmodel = "org/base"\n[speed]\n',
+        thresholds_text("[speed]", candidate=None),
         "candidates: expected at least one [[candidates]] table",
     ),
     "empty candidates": (
-        'candidates = []\n[baseline]\nname = "bf16"\nmodel = "org/base"\n[speed]\n',
+        thresholds_text("[speed]", candidate=None, head="candidates = []"),
         "candidates: expected at least one [[candidates]] table",
     ),
     "candidates as one table": (
-        '[baseline]\nname = "bf16"\nmodel = "org/base"\n[candidates]\nname = "fp8"\n[speed]\n',
+        thresholds_text('[candidates]\nname = "fp8"', "[speed]", candidate=None),
         "candidates: expected an array of tables ([[candidates]]), got a table",
     ),
     "duplicate candidate names": (

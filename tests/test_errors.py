@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import pytest_fp8gate
-from baseline_fakes import write_gate
+from fakes import write_recorded_gate
 from pytest_fp8gate import errors, roofline
 from pytest_fp8gate.cli import EXIT_ERROR, EXIT_FAILURE, main
 
@@ -80,8 +80,9 @@ def test_rule(pytestconfig, tmp_path, request, monkeypatch, name):
 
 def test_a_rule_that_raises_any_of_them_fails_with_its_line(pytester: pytest.Pytester, tmp_path: Path) -> None:
     names = [cls.__name__ for cls in ERRORS if cls is not errors.Fp8GateError]
-    pytester.makepyfile(ENFORCE_TEST.format(names=names, config=str(write_gate(tmp_path / "gate"))))
-    result = pytester.runpytest("-p", "no:randomly")
+    pytester.makepyfile(ENFORCE_TEST.format(names=names, config=str(write_recorded_gate(tmp_path / "gate"))))
+    # A gate option asks for the gate, so its settings exist for GateSession in a run with no rule test.
+    result = pytester.runpytest("-p", "no:randomly", "--fp8gate-allow-no-rules")
     result.assert_outcomes(failed=len(names))
     lines = result.stdout.lines
     assert not any("Traceback" in line or "During handling" in line for line in lines)

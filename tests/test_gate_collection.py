@@ -4,34 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from fakes import thresholds_text
 from pytest_fp8gate.cases import needs_of
 from pytest_fp8gate.record import Needs
 from pytest_fp8gate.verdict import Case
 
-CONFIG = """
-device = "{device}"
-[baseline]
-name = "bf16"
-model = "org/model"
-[[candidates]]
-name = "fp8-dynamic"
-model = "org/model-fp8"
-[[candidates]]
-name = "fp8-online"
-quantization = "fp8_per_channel"
-[probabilities]
-corpus = "corpus.txt"
-[probabilities.limits]
-min_same_top = 0.97674
-max_mean_kl = 0.001355
-[[tasks]]
-name = "gsm8k"
-task = "gsm8k"
-filter = "strict-match"
-metric = "exact_match"
-[speed]
-{speed}
-"""
+CONFIG = thresholds_text(
+    '[[candidates]]\nname = "fp8-dynamic"\nmodel = "org/model-fp8"',
+    '[[candidates]]\nname = "fp8-online"\nquantization = "fp8_per_channel"',
+    '[probabilities]\ncorpus = "corpus.txt"\n[probabilities.limits]\nmin_same_top = 0.97674\nmax_mean_kl = 0.001355',
+    '[[tasks]]\nname = "gsm8k"\ntask = "gsm8k"\nfilter = "strict-match"\nmetric = "exact_match"',
+    "[speed]\n{speed}", model="org/model", candidate=None, head='device = "{device}"')
 
 
 def _write(pytester: pytest.Pytester, device: str = "cuda", speed: str = "") -> None:

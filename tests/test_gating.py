@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-THRESHOLDS = """
-device = "{device}"
-[baseline]
-name = "bf16"
-model = "org/base"
+from fakes import thresholds_text
 
-[[candidates]]
-name = "fp8"
-quantization = "fp8_per_channel"
-
-[speed]
-"""
+THRESHOLDS = thresholds_text("[speed]", head='device = "{device}"')
 
 # Stands in for the gate session, so a rule test "runs" without starting an engine.
 PASSING_GATE = """

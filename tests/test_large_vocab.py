@@ -3,7 +3,7 @@
 The shape's body is tiny (random weights), but the vocabulary is the real one: the
 gate must take the top-k path, score the candidate as well as the engine allows, and
 say which KL it computed. On CUDA vLLM 0.26 the same path ran on the 8B shape
-(README, "Measured on an H200").
+(benchmarks/README.md, "H200").
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from fakes import thresholds_text
 from pytest_fp8gate.demo.embedded import embedded_assets
 from pytest_fp8gate.logprobs import TOPK_KL
 
@@ -32,30 +33,12 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> dict:
     subprocess.run([sys.executable, "-m", "pytest_fp8gate.cli", "random-checkpoint", "llama-3.1-vocab-tiny",
                     str(model)], check=True, capture_output=True, timeout=120)
     config = workdir / "thresholds.toml"
-    config.write_text(f'''device = "cpu"
-deterministic_scheduling = true
-[baseline]
-name = "bf16"
-model = "{model}"
-[baseline.engine]
-dtype = "bfloat16"
-max_model_len = 1100
-enforce_eager = true
-gpu_memory_utilization = 0.2
-[probabilities]
-corpus = "{embedded_assets().corpus}"
-chunks = 2
-chunk_tokens = 1024
-top_k = 20
-[probabilities.limits]
-min_same_top = 0.97674
-max_rms_dp = 0.01198
-max_mean_kl = 0.001355
-max_ppl_ratio = 1.000425
-[[candidates]]
-name = "fp8-per-channel"
-quantization = "fp8_per_channel"
-''', encoding="utf-8")
+    config.write_text(thresholds_text(
+        f'[probabilities]\ncorpus = "{embedded_assets().corpus}"\nchunks = 2\nchunk_tokens = 1024\ntop_k = 20',
+        "[probabilities.limits]\nmin_same_top = 0.97674\nmax_rms_dp = 0.01198\nmax_mean_kl = 0.001355\n"
+        "max_ppl_ratio = 1.000425", model=str(model), head='device = "cpu"\ndeterministic_scheduling = true',
+        baseline_engine='dtype = "bfloat16"\nmax_model_len = 1100\nenforce_eager = true\ngpu_memory_utilization = 0.2'),
+        encoding="utf-8")
     report = workdir / "report.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     done = subprocess.run([sys.executable, "-m", "pytest", str(config), "--fp8gate-config", str(config),

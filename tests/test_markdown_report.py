@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from baseline_fakes import (
+from fakes import (
     TASK,
     fake_baseline,
     logprob_run,
     make_measurements,
     sample_rows,
-    write_gate,
     write_pass,
+    write_recorded_gate,
 )
 from pytest_fp8gate import markdown_report, plots, rules
 from pytest_fp8gate.engine import Latency
@@ -27,7 +27,7 @@ FLIPPED_TEXT = {3: "We add one and one so the answer is 2.", 7: "We add one and 
 @pytest.fixture
 def data(tmp_path: Path) -> ReportData:
     """A baseline with its noise passes, one measured candidate, and verdicts of four rules."""
-    measurements = make_measurements(write_gate(tmp_path / "gate"), tmp_path / "artifacts")
+    measurements = make_measurements(write_recorded_gate(tmp_path / "gate"), tmp_path / "artifacts")
     record = fake_baseline(measurements)()
     record.result.latency = Latency(1000, 256, 1, 10, 2.0, 0.1)
     config = measurements.config
@@ -138,7 +138,8 @@ def test_kl(request):
 @pytest.mark.parametrize("family", ["xunit2", "xunit1"])
 def test_rule_numbers_land_in_junit_properties(pytester: pytest.Pytester, family: str):
     pytester.makepyfile(JUNIT_TEST)
-    result = pytester.runpytest("--junitxml=junit.xml", "-o", f"junit_family={family}")
+    # A gate option asks for the gate (and its report hooks) in a run with no rule test.
+    result = pytester.runpytest("--junitxml=junit.xml", "-o", f"junit_family={family}", "--fp8gate-allow-no-rules")
     result.assert_outcomes(passed=1, failed=1)
     cases = {case.get("name"): {p.get("name"): p.get("value") for p in case.iter("property")}
              for case in ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")}
@@ -178,7 +179,7 @@ def test_rule(pytestconfig, tmp_path):
 def test_the_report_is_written_at_session_end(pytester: pytest.Pytester, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
-    pytester.makepyfile(SESSION_TEST.format(config=str(write_gate(tmp_path / "gate"))))
+    pytester.makepyfile(SESSION_TEST.format(config=str(write_recorded_gate(tmp_path / "gate"))))
     result = pytester.runpytest("--fp8gate-report", "out/gate.md")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["fp8gate report: out/gate.md"])
@@ -191,7 +192,7 @@ def test_a_report_that_cannot_be_written_warns_and_keeps_the_exit_status(pyteste
                                                                          tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
-    pytester.makepyfile(SESSION_TEST.format(config=str(write_gate(tmp_path / "gate"))))
+    pytester.makepyfile(SESSION_TEST.format(config=str(write_recorded_gate(tmp_path / "gate"))))
     (pytester.path / "blocked").write_text("a file where the report's directory should be")
     result = pytester.runpytest("--fp8gate-report", "blocked/gate.md")
     assert result.ret == pytest.ExitCode.OK

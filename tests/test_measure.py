@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fake_engine import FIELDS_0_33, MODELS, FakeModel, fake_engine_class, write_gate
+from fakes import FIELDS_0_33, MODELS, FakeModel, fake_engine_class, write_gate
 from pytest_fp8gate.engine import ALL_AT_ONCE, IN_PROCESS_ENV, BatchLayout, Engine
 from pytest_fp8gate.errors import MeasurementError
 from pytest_fp8gate.gate import Gate

@@ -7,22 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from fakes import thresholds_text
 from pytest_fp8gate.gate import _roofline
 from pytest_fp8gate.preflight import parallelism_problem
 from pytest_fp8gate.record import ModelResult, Needs, PassResult
 from pytest_fp8gate.thresholds import load_config
 
-CONFIG = """
-[baseline]
-name = "bf16"
-model = "meta-llama/Llama-3.1-8B-Instruct"
-[baseline.engine]
-{engine}
-[[candidates]]
-name = "fp8"
-quantization = "fp8_per_channel"
-[speed]
-"""
+CONFIG = thresholds_text("[speed]", model="meta-llama/Llama-3.1-8B-Instruct", baseline_engine="{engine}")
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from fakes import thresholds_text
 from pytest_fp8gate import hardware
 
 if sys.version_info >= (3, 11):
@@ -11,17 +12,7 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-VALID = """
-[baseline]
-name = "bf16"
-model = "org/base"
-
-[[candidates]]
-name = "fp8"
-quantization = "fp8_per_channel"
-
-[speed]
-"""
+VALID = thresholds_text("[speed]")
 
 GPU_TEST = """
 import pytest
@@ -69,31 +60,49 @@ def test_help_works_with_a_broken_thresholds_file(pytester: pytest.Pytester):
 
 
 def test_markers_are_registered(pytester: pytest.Pytester):
+    pytester.makefile(".toml", thresholds=VALID)
     result = pytester.runpytest("--markers")
     result.stdout.fnmatch_lines(
         [
-            "@pytest.mark.gpu: needs a CUDA GPU; skipped without one unless --fp8gate-require-gpu",
             "@pytest.mark.fp8gate: a rule of the FP8 deploy gate",
+            "@pytest.mark.gpu: needs a CUDA GPU; the gate's rule tests skip without one unless --fp8gate-require-gpu",
         ]
     )
 
 
+def test_without_a_gate_the_gpu_marker_is_the_users(pytester: pytest.Pytester):
+    result = pytester.runpytest("--markers")
+    result.stdout.fnmatch_lines(["@pytest.mark.fp8gate: a rule of the FP8 deploy gate"])
+    assert "@pytest.mark.gpu" not in result.stdout.str()
+
+
 def test_markers_pass_strict_markers(pytester: pytest.Pytester, no_gpu):
+    pytester.makefile(".toml", thresholds=VALID)
     pytester.makepyfile(GPU_TEST)
-    pytester.runpytest("--strict-markers").assert_outcomes(passed=1, skipped=1)
+    pytester.runpytest("--strict-markers").assert_outcomes(passed=2, skipped=1)
 
 
-def test_gpu_test_skipped_without_gpu(pytester: pytest.Pytester, no_gpu):
+def test_only_the_gates_gpu_tests_skip_without_gpu(pytester: pytest.Pytester, no_gpu):
+    pytester.makefile(".toml", thresholds=VALID)
     pytester.makepyfile(test_gpu=GPU_TEST)
-    result = pytester.runpytest("-rs")
-    result.assert_outcomes(passed=1, skipped=1)
-    # The skip is reported at the test, not inside the plugin.
-    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_gpu.py:*: no CUDA device visible (faked by the test)"])
+    result = pytester.runpytest("-rs", "-v")
+    result.assert_outcomes(passed=2, skipped=1)
+    # The user's gpu test runs; the gate's rule skips, reported at the rule, not inside the plugin.
+    result.stdout.fnmatch_lines(["test_gpu.py::test_needs_gpu PASSED*",
+                                 "thresholds.toml::test_decode_speed_near_ceiling[[]fp8[]] SKIPPED*",
+                                 "SKIPPED [[]1[]] *suite.py: no CUDA device visible (faked by the test)"])
     assert result.ret == pytest.ExitCode.OK
+
+
+def test_without_a_gate_the_users_gpu_tests_run(pytester: pytest.Pytester, no_gpu):
+    pytester.makeini("[pytest]\nmarkers = gpu: theirs\n")
+    pytester.makepyfile(GPU_TEST)
+    pytester.runpytest("--strict-markers").assert_outcomes(passed=2)
 
 
 def test_gpu_test_runs_with_gpu(pytester: pytest.Pytester, fake_gpus):
     fake_gpus("NVIDIA H200")
+    pytester.makeini("[pytest]\nmarkers = gpu: theirs\n")
     pytester.makepyfile(GPU_TEST)
     pytester.runpytest("--fp8gate-require-gpu").assert_outcomes(passed=2)
 
@@ -114,12 +123,14 @@ def test_require_gpu_turns_the_skip_into_an_error(
         monkeypatch.setenv(name, value)
     if ini:
         pytester.makeini(ini)
+    pytester.makefile(".toml", thresholds=VALID)
     pytester.makepyfile(GPU_TEST)
     result = pytester.runpytest(*args)
-    result.assert_outcomes(passed=1, errors=1)
+    # Only the gate's rule: the user's gpu test is theirs, and runs.
+    result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(
         [
-            "*ERROR at setup of test_needs_gpu*",
+            "*ERROR at setup of test_decode_speed_near_ceiling[[]fp8[]]*",
             "--fp8gate-require-gpu: no CUDA device visible (faked by the test); "
             "a deploy gate must never pass by skipping",
         ]
@@ -129,8 +140,9 @@ def test_require_gpu_turns_the_skip_into_an_error(
 
 def test_require_gpu_env_zero_means_off(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, no_gpu):
     monkeypatch.setenv("FP8GATE_REQUIRE_GPU", "0")
+    pytester.makefile(".toml", thresholds=VALID)
     pytester.makepyfile(GPU_TEST)
-    pytester.runpytest().assert_outcomes(passed=1, skipped=1)
+    pytester.runpytest().assert_outcomes(passed=2, skipped=1)
 
 
 def test_require_gpu_env_garbage_is_a_usage_error(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
@@ -165,7 +177,7 @@ BAD_THRESHOLDS = {
         "thresholds.toml: speed.min_fraction_of_ceiling: expected a number in (0, 1], got 80",
     ),
     "empty candidates": (
-        'candidates = []\n[baseline]\nname = "bf16"\nmodel = "org/base"\n[speed]\n',
+        thresholds_text("[speed]", candidate=None, head="candidates = []"),
         "thresholds.toml: candidates: expected at least one [[candidates]] table",
     ),
     "duplicate names": (
@@ -205,10 +217,10 @@ from pytest_fp8gate.options import SETTINGS_KEY
 from pytest_fp8gate.session import CONFIG_KEY
 
 def test_stash(request):
-    gate = request.config.stash[CONFIG_KEY]
-    settings = request.config.stash[SETTINGS_KEY]
+    gate = request.config.stash.get(CONFIG_KEY, None)  # a run without the gate stashes nothing
+    settings = request.config.stash.get(SETTINGS_KEY, None)
     print("GATE", None if gate is None else (gate.path.name, gate.baseline.name, gate.candidates[0].name))
-    print("ARTIFACTS", settings.artifacts)
+    print("ARTIFACTS", None if settings is None else settings.artifacts)
 """
 
 
@@ -265,6 +277,24 @@ def test_report_header(pytester: pytest.Pytester, fake_gpus):
             "fp8gate GPUs: NVIDIA L40S (faked by the test; required)",
         ]
     )
+
+
+LOADED_PROBE = """
+import sys
+
+def test_loaded():
+    package = sorted(name for name in sys.modules if name.startswith("pytest_fp8gate"))
+    heavy = sorted(name for name in ("numpy", "torch", "vllm", "lm_eval") if name in sys.modules)
+    print("LOADED", package, heavy)
+"""
+
+
+def test_a_run_without_the_gate_imports_only_the_hook_module(pytester: pytest.Pytester):
+    # A fresh interpreter (this one has the whole package loaded); the plugin itself must be among them.
+    pytester.makepyfile(LOADED_PROBE)
+    result = pytester.runpytest_subprocess("-s")
+    assert "LOADED ['pytest_fp8gate', 'pytest_fp8gate.plugin'] []" in result.stdout.str()
+    result.assert_outcomes(passed=1)
 
 
 def test_plugin_can_be_disabled(pytester: pytest.Pytester):

@@ -8,23 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from fakes import thresholds_text
 from pytest_fp8gate.thresholds import ConfigError, load_config
 
-GATE = """
-[baseline]
-name = "bf16"
-model = "{base}"
-
-[[candidates]]
-name = "fp8"
-model = "{cand}"
-quantization = "{quantization}"
-{engine}
-[probabilities]
-corpus = "{corpus}"
-[probabilities.limits]
-max_mean_kl = 0.1
-"""
+GATE = thresholds_text('[probabilities]\ncorpus = "{corpus}"\n[probabilities.limits]\nmax_mean_kl = 0.1',
+                       model="{base}", candidate='model = "{cand}"\nquantization = "{quantization}"\n{engine}')
 
 
 @pytest.fixture
@@ -216,8 +204,7 @@ def test_top_k_beyond_the_vocabulary(gate_dir: Path) -> None:
 
 
 def test_a_toml_that_is_not_the_configured_one(pytester: pytest.Pytester) -> None:
-    gate = ('[baseline]\nname = "bf16"\nmodel = "org/base"\n'
-            '[[candidates]]\nname = "fp8"\nquantization = "fp8"\n[speed]\n')
+    gate = thresholds_text("[speed]", candidate='quantization = "fp8"')
     pytester.makefile(".toml", other=gate)
     result = pytester.runpytest("other.toml")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -234,10 +221,9 @@ def test_a_rule_whose_model_is_not_cached_offline_fails_with_one_line(pytester: 
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    pytester.makefile(".toml", thresholds='device = "cpu"\n[baseline]\nname = "bf16"\nmodel = "org/not-cached"\n'
-                                          '[[candidates]]\nname = "fp8"\nquantization = "fp8_per_channel"\n'
-                                          '[probabilities]\ncorpus = "corpus.txt"\n[probabilities.limits]\n'
-                                          'max_mean_kl = 0.1\n')
+    pytester.makefile(".toml", thresholds=thresholds_text(
+        '[probabilities]\ncorpus = "corpus.txt"\n[probabilities.limits]\nmax_mean_kl = 0.1', model="org/not-cached",
+        head='device = "cpu"'))
     pytester.makefile(".txt", corpus="Some text.")
     result = pytester.runpytest("thresholds.toml")
     result.assert_outcomes(failed=1)

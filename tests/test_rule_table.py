@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from baseline_fakes import TASK, fake_baseline, logprob_run, make_measurements, sample_rows, write_gate, write_pass
+from fakes import TASK, fake_baseline, logprob_run, make_measurements, sample_rows, write_pass, write_recorded_gate
 from pytest_fp8gate import rules, suite
 from pytest_fp8gate import thresholds as config_module
 from pytest_fp8gate.gate import Gate
@@ -52,7 +52,7 @@ bandwidth_gbps = 100
 
 
 def _gate_file(tmp_path: Path) -> Path:
-    path = write_gate(tmp_path / "gate")
+    path = write_recorded_gate(tmp_path / "gate")
     text = path.read_text().replace("[probabilities.limits]\nmax_mean_kl = 0.01\nmin_same_top = 0.9\n", "")
     path.write_text(text + ALL_RULES)
     return path

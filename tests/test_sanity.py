@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fakes import thresholds_text
 from pytest_fp8gate import cli
 from pytest_fp8gate.dumps import SAMPLES_RUN_ID, write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.errors import ComparisonError
@@ -119,20 +120,8 @@ def test_flips_pairs_samples_of_one_run(tmp_path: Path) -> None:
 
 # ---- a baseline at chance ----------------------------------------------------------
 
-TASK_GATE = """
-[baseline]
-name = "bf16"
-model = "org/base"
-[[candidates]]
-name = "fp8"
-quantization = "fp8_per_channel"
-[[tasks]]
-name = "arith"
-task = "arith"
-filter = "strict-match"
-metric = "exact_match"
-{limits}
-"""
+TASK_GATE = thresholds_text('[[tasks]]\nname = "arith"\ntask = "arith"\nfilter = "strict-match"\n'
+                            'metric = "exact_match"\n{limits}')
 
 
 class RecordedMeasurements:

@@ -10,7 +10,7 @@ import pytest
 import torch  # noqa: F401
 import transformers  # noqa: F401
 
-from fake_engine import MODELS, FakeEngine, fake_engine_class, write_gate
+from fakes import MODELS, FakeEngine, fake_engine_class, write_gate
 from pytest_fp8gate.session import ENGINE_CLASS_KEY
 
 # Imported above, in this process, what lm-eval imports when it runs: pytester's in-process runs

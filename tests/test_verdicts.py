@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fake_engine import MODELS, fake_engine_class, write_gate
+from fakes import MODELS, fake_engine_class, write_gate
 from pytest_fp8gate import cases, hardware, suite
 from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.measure import Measurements

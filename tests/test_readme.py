@@ -1,0 +1,26 @@
+"""The README's thresholds file is one a new user can copy: it loads, and it asks for every check."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pytest_fp8gate.spec import WIKITEXT_2
+from pytest_fp8gate.thresholds import load_config
+
+README = Path(__file__).parent.parent / "README.md"
+
+
+def test_the_readme_thresholds_file_loads(tmp_path: Path) -> None:
+    (block,) = re.findall(r"```toml\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.DOTALL)
+    path = tmp_path / "thresholds.toml"
+    path.write_text(block, encoding="utf-8")
+    gate = load_config(path)
+    assert gate.baseline.model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert [(c.name, c.model, c.quantization) for c in gate.candidates] == [
+        ("fp8-dynamic", "RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8-dynamic", None),
+        ("fp8-online", "meta-llama/Llama-3.1-8B-Instruct", "fp8_per_channel"),
+    ]
+    assert gate.probabilities is not None and gate.probabilities.corpus == WIKITEXT_2
+    assert [t.task for t in gate.tasks] == ["gsm8k"] and gate.speed is not None
+    assert len(block.splitlines()) <= 25
