@@ -1,7 +1,7 @@
 """The repository's own test setup: pytester, and the fixtures the test files share.
 
 Shared code that is not a fixture (thresholds text, the fake engine, recorded
-measurements) lives in fakes.py, which the test files import.
+measurements) lives in tests/fakes.py, which the test files import.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pytest_fp8gate import hardware
 
 pytest_plugins = ["pytester"]
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent / "tests" / "data"
 
 
 @pytest.fixture
