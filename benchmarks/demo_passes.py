@@ -4,10 +4,14 @@ in each batch layout, side by side.
     HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 flock /tmp/fp8gate-engine.lock \
         python benchmarks/demo_passes.py --questions 50 --settings default,float32
 
+(on a CUDA GPU: ``--cuda``, and ``--model DIR`` for another checkpoint with the embedded
+tokenizer, such as ``fp8gate random-checkpoint llama-3.1-8b DIR``; benchmarks/gpu_check.py's
+``noise`` part runs both).
+
 For each setting (the demo's baseline engine plus overrides) it starts one engine and times,
 in this order: the task's greedy generations all at once on a cold engine (the gate's main
-pass), the same again (warm, every prompt in the prefix cache), each noise layout, and the
-prefill alone (one token per prompt, prefix cache reset). vLLM's own counters follow each
+pass), then on the first setting only the same again (warm, every prompt in the prefix cache)
+and each noise layout, and the prefill alone (one token per prompt, prefix cache reset). vLLM's own counters follow each
 row: prompt tokens served from the prefix cache, preempted requests.
 """
 
@@ -38,7 +42,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "tokens-2k": {"max_num_batched_tokens": 2048},
 }
 LAYOUTS = {"batches of 7, reversed": BatchLayout(7, reverse=True),  # the noise pass before issue 21
-           "all, reversed": BatchLayout(reverse=True),
            "noise pass (BATCH_ORDER)": BATCH_ORDER}
 
 
@@ -95,11 +98,11 @@ def timed(engine: Engine, label: str, run: Any) -> float:
     return seconds
 
 
-def measure(name: str, overrides: dict[str, Any], questions: int) -> None:
+def measure(name: str, overrides: dict[str, Any], questions: int, layouts: bool, model: str | None = None) -> None:
     config = load_config(DEMO_CONFIG)
     spec = config.baseline
-    spec = replace(spec, engine={**spec.engine, **overrides, "disable_log_stats": False})
-    engine = Engine(spec, max_logprobs=-1)
+    spec = replace(spec, model=model or spec.model, engine={**spec.engine, **overrides, "disable_log_stats": False})
+    engine = Engine(spec, max_logprobs=1)
     print(f"{name}: {', '.join(f'{k}={v}' for k, v in sorted(spec.engine.items()))}; engine start "
           f"{engine.start_s:.1f} s, KV cache {engine.kv_cache_tokens()} tokens", flush=True)
     try:
@@ -111,10 +114,12 @@ def measure(name: str, overrides: dict[str, Any], questions: int) -> None:
             return lambda: engine.generate_greedy(prompts, budgets, stops, layout)
 
         main = timed(engine, "main, cold", generate(ALL_AT_ONCE))
-        warm = timed(engine, "main again, warm", generate(ALL_AT_ONCE))
-        for label, layout in LAYOUTS.items():
+        warm = timed(engine, "main again, warm", generate(ALL_AT_ONCE)) if layouts else main
+        for label, layout in LAYOUTS.items() if layouts else ():
             seconds = timed(engine, label, generate(layout))
             print(f"  {'':<22} {seconds / main:.2f} x the cold main pass, {seconds / warm:.2f} x the warm one")
+            print(f"SUMMARY {name} {label}: {seconds:.1f} s against the main pass's {main:.1f} s "
+                  f"({seconds / main:.2f} x; {seconds / warm:.2f} x the warm repeat's {warm:.1f} s)", flush=True)
         engine.llm.reset_prefix_cache()
         timed(engine, "prefill only (1 token)", lambda: engine.generate_greedy(prompts, [1] * len(prompts),
                                                                                 stops, ALL_AT_ONCE))
@@ -126,6 +131,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=50)
     parser.add_argument("--settings", default="default,float32", help=f"comma-separated of {', '.join(SETTINGS)}")
+    parser.add_argument("--model", default=None, help="another checkpoint than the embedded model (its tokenizer)")
+    parser.add_argument("--cuda", action="store_true", help="on a CUDA GPU: CUDA graphs instead of eager mode")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     import torch
@@ -138,8 +145,10 @@ def main() -> int:
           f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '-')} "
           f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '-')}", flush=True)
     Engine.prepare_process(True)  # the demo's deterministic_scheduling
-    for name in args.settings.split(","):
-        measure(name, SETTINGS[name], args.questions)
+    cuda = {"enforce_eager": False} if args.cuda else {}
+    for index, name in enumerate(args.settings.split(",")):
+        # The layouts on the first setting only.
+        measure(name, {**SETTINGS[name], **cuda}, args.questions, layouts=index == 0, model=args.model)
     return 0
 
 

@@ -69,7 +69,7 @@ MILD_MUST_PASS = {"test_rms_dp_within_limit"}
 def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
     workdir = tmp_path_factory.mktemp("demo")
     report = workdir / "report.json"
-    command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir),
+    command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir), "--checkpoints",
                "--questions", str(QUESTIONS), "--plant", "noscale", "--plant", "outlier", "--plant", "mild",
                "--", "--json-report", f"--json-report-file={report}", "-p", "no:randomly"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")

