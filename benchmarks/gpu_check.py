@@ -158,10 +158,10 @@ def _noise_cost(args: argparse.Namespace) -> list[str]:
              "(the demo task):"]
     for label, model in (("demo model", None), (args.shape, bf16)):
         log = args.workdir / f"noise-cost-{label.replace(' ', '-')}.log"
-        command = [sys.executable, str(Path(__file__).with_name("demo_passes.py")), "--questions", str(args.noise_questions),
-                   "--settings", "default", *(["--cuda"] if args.device == "cuda" else []),
-                   *(["--model", str(model)] if model else [])]
-        code, seconds = _run(command, log, 1500)
+        command = [sys.executable, str(Path(__file__).with_name("demo_passes.py")),
+                   "--questions", str(args.noise_questions), "--settings", "default",
+                   *(["--cuda"] if args.device == "cuda" else []), *(["--model", str(model)] if model else [])]
+        code, _ = _run(command, log, 1500)
         found = [line.removeprefix("SUMMARY default ") for line in log.read_text().splitlines()
                  if line.startswith("SUMMARY ")]
         lines += [f"    {label}: {line}" for line in found] or [f"    {label}: failed (exit {code}; log {log})"]
