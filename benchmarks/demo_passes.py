@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +39,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},
     "float32": {"dtype": "float32"},
     "float16": {"dtype": "float16"},
+    "random-shots": {},  # the task as it was: five shots drawn per question (no shared prefix)
     "seqs-64": {"max_num_seqs": 64},
     "tokens-16k": {"max_num_batched_tokens": 16384},
     "tokens-2k": {"max_num_batched_tokens": 2048},
@@ -55,12 +58,23 @@ class _Prompts(EngineLM):
         return ["" for _ in requests]
 
 
-def task_prompts(engine: Engine, questions: int) -> tuple[list[list[int]], list[int], list[list[str]]]:
-    """The demo task's prompts as the gate sends them (BOS, five shots), their budgets and stops."""
+def task_prompts(engine: Engine, questions: int, random_shots: bool = False,
+                 ) -> tuple[list[list[int]], list[int], list[list[str]]]:
+    """The demo task's prompts as the gate sends them (BOS, five shots), their budgets and stops;
+    ``random_shots``: with the shots drawn per question, as lm-eval's default sampler does."""
     from lm_eval import simple_evaluate
 
     config = load_config(DEMO_CONFIG)
     task = config.tasks[0]
+    if random_shots:
+        assert task.include_path is not None
+        copy = Path(tempfile.mkdtemp(prefix="fp8gate-random-shots-")) / "tasks"
+        shutil.copytree(task.include_path, copy)
+        for yaml in copy.rglob("*.yaml"):
+            text = yaml.read_text(encoding="utf-8")
+            yaml.write_text(text.replace("fewshot_config:\n  sampler: first_n\n", ""), encoding="utf-8")
+        task = replace(task, include_path=copy)
+        config = replace(config, tasks=[task])
     lm = _Prompts(engine, add_bos_token=task.add_bos_token)
     simple_evaluate(model=lm, tasks=[task.task], num_fewshot=task.num_fewshot, limit=questions,
                     task_manager=task_manager(config.tasks), bootstrap_iters=0)
@@ -106,9 +120,11 @@ def measure(name: str, overrides: dict[str, Any], questions: int, layouts: bool,
     print(f"{name}: {', '.join(f'{k}={v}' for k, v in sorted(spec.engine.items()))}; engine start "
           f"{engine.start_s:.1f} s, KV cache {engine.kv_cache_tokens()} tokens", flush=True)
     try:
-        prompts, budgets, stops = task_prompts(engine, questions)
+        prompts, budgets, stops = task_prompts(engine, questions, random_shots=name == "random-shots")
         lengths = sorted(len(p) for p in prompts)
-        print(f"  {len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens (median {lengths[len(lengths) // 2]})")
+        shared = len(os.path.commonprefix(prompts))
+        print(f"  {len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens (median {lengths[len(lengths) // 2]}), "
+              f"{shared} of them shared by all", flush=True)
 
         def generate(layout: BatchLayout) -> Any:
             return lambda: engine.generate_greedy(prompts, budgets, stops, layout)
