@@ -39,6 +39,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},
     "float32": {"dtype": "float32"},
     "float16": {"dtype": "float16"},
+    "fp8-per-channel": {"quantization": "fp8_per_channel"},
     "random-shots": {},  # the task as it was: five shots drawn per question (no shared prefix)
     "seqs-64": {"max_num_seqs": 64},
     "tokens-16k": {"max_num_batched_tokens": 16384},
