@@ -199,6 +199,9 @@ def _shape(args: argparse.Namespace) -> list[str]:
     lines.append(f"    gate on it (BF16, batch-order noise, online fp8_per_channel, the fp8-dynamic checkpoint): "
                  f"pytest exit {code} in {seconds:.0f} s (log {workdir / 'gate.log'})")
     lines += _rule_table(report)
+    # The baseline's main and batch-order passes, side by side (the noise pass should cost what a main pass does).
+    lines += [f"    {line.removeprefix('fp8gate: ')}" for line in (workdir / "gate.log").read_text().splitlines()
+              if line.startswith("fp8gate: measured bf16 [")]
     lines += _kl_lines(report)
     lines += _speed_lines(report)
     lines += _bench_latency(args, workdir, bf16)
