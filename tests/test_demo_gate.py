@@ -33,8 +33,8 @@ CPU_REFUSED = "fp8-static"
 # The equally valid BF16 build (weights re-rounded at BF16's own step): the control.
 CONTROL = "bf16-rerounded"
 # The test runs the demo on its first 100 questions (the demo's default; all 500 is
-# `--questions 500`), with the two written checkpoints: enough for every verdict below, which must hold on any x86 CPU (AVX2,
-# AVX-512, AMX) and vLLM release. The demo schedules deterministically, so figures repeat on
+# `--questions 500`), with the two written checkpoints: enough for every verdict below,
+# which must hold on any x86 CPU (AVX2, AVX-512, AMX) and vLLM release. The demo schedules deterministically, so figures repeat on
 # one machine, but near ties land differently on another: rules are asserted strictly only
 # where the margin dwarfs that, and otherwise as orderings against the planted regressions.
 QUESTIONS = 100

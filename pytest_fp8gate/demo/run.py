@@ -92,8 +92,8 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda
     source = embedded_assets().model
     plants = {kind: plant(kind, source, workdir / "plants" / kind) for kind in dict.fromkeys(plant_kinds)}
     config_path = workdir / "thresholds.toml"
-    atomic_write_text(config_path, demo_config_text(plants, demo_builds(source, workdir / "checkpoints", checkpoints or cuda), cuda,
-                                                       questions))
+    builds = demo_builds(source, workdir / "checkpoints", checkpoints or cuda)
+    atomic_write_text(config_path, demo_config_text(plants, builds, cuda, questions))
     args = [str(config_path), "--fp8gate-config", str(config_path), "--rootdir", str(workdir),
             "--fp8gate-artifacts", str(workdir / "artifacts"), "--fp8gate-report", str(workdir / "report.md"),
             "-p", "no:cacheprovider", "-rfEs", *pytest_args]
