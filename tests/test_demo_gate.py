@@ -34,9 +34,10 @@ CPU_REFUSED = "fp8-static"
 CONTROL = "bf16-rerounded"
 # The test runs the demo on its first 100 questions (the demo's default; all 500 is
 # `--questions 500`), with the two written checkpoints: enough for every verdict below,
-# which must hold on any x86 CPU (AVX2, AVX-512, AMX) and vLLM release. The demo schedules deterministically, so figures repeat on
-# one machine, but near ties land differently on another: rules are asserted strictly only
-# where the margin dwarfs that, and otherwise as orderings against the planted regressions.
+# which must hold on any x86 CPU (AVX2, AVX-512, AMX) and vLLM release. The demo schedules
+# deterministically, so figures repeat on one machine, but near ties land differently on
+# another: rules are asserted strictly only where the margin dwarfs that, and otherwise as
+# orderings against the planted regressions.
 QUESTIONS = 100
 # The control passes these with room: same top ~1.6 points inside Q8_0, KL ~1.2 x the floor
 # (limit 20 x), RMS dp 7 x inside, PPL ratio within +-0.0002 of 1 (limit 1.000425 + 1 SE),
