@@ -61,6 +61,9 @@ MUST_FAIL = {
                         "test_accuracy_within_se", "test_flips_within_noise_floor"},
     "planted-mild": {"test_kl_within_limit"},  # KL ~60 x the floor against 20 x
 }
+# The plants whose PPL ratio lies well beyond FP8's. Not the mild one: its ratio ties with
+# FP8's (1.00076 against 1.00079 on an AVX2 Zen 4, on the other side of it on AVX-512).
+PPL_FURTHER = ("planted-noscale", "planted-outlier")
 # ... and the rule the mild plant must still pass with room: RMS dp ~25% inside the limit on
 # both CPUs. Its same top sits on Q8_0's 97.674% (97.72% on an AVX2 Zen 3, 97.40% on an
 # AVX-512 Zen 4), so it is not asserted either way.
@@ -117,6 +120,7 @@ def test_good_candidate_is_closer_to_bf16_than_every_plant_on_its_borderline_rul
     good_ppl = _measured(demo, good, "test_ppl_ratio_within_limit")
     for plant in MUST_FAIL:
         assert good_flips < _measured(demo, plant, "test_flips_within_noise_floor"), plant
+    for plant in PPL_FURTHER:
         assert abs(good_ppl - 1) < abs(_measured(demo, plant, "test_ppl_ratio_within_limit") - 1), plant
 
 
