@@ -118,6 +118,7 @@ def _demo(args: argparse.Namespace) -> list[str]:
     lines = [f"(a) demo gate, {'CUDA config' if args.device == 'cuda' else 'CPU config'}: "
              f"pytest exit {code} in {seconds:.0f} s (log {args.workdir / 'demo.log'})"]
     lines += _rule_table(report)
+    lines += _pass_lines(args.workdir / "demo.log")
     lines.append("(e) free GPU memory around in-process engines (deterministic_scheduling = true), MiB:")
     lines += _memory_lines(workdir / "artifacts" / "gpu_memory.json")
     return lines
@@ -138,6 +139,14 @@ def _rule_table(report: Path) -> list[str]:
             last_line = str(reason).splitlines()[-1][:120] if reason else ""
             rows.append(f"    {test['outcome']:<7} {rule_id:<62} {last_line}")
     return rows
+
+
+def _pass_lines(log: Path) -> list[str]:
+    """The baseline's main and noise passes, side by side (a noise pass should cost what a main pass does)."""
+    if not log.is_file():
+        return []
+    return [f"    {line.removeprefix('fp8gate: ')}" for line in log.read_text().splitlines()
+            if line.startswith("fp8gate: measured bf16 [")]
 
 
 def _memory_lines(path: Path) -> list[str]:
@@ -199,9 +208,7 @@ def _shape(args: argparse.Namespace) -> list[str]:
     lines.append(f"    gate on it (BF16, batch-order noise, online fp8_per_channel, the fp8-dynamic checkpoint): "
                  f"pytest exit {code} in {seconds:.0f} s (log {workdir / 'gate.log'})")
     lines += _rule_table(report)
-    # The baseline's main and batch-order passes, side by side (the noise pass should cost what a main pass does).
-    lines += [f"    {line.removeprefix('fp8gate: ')}" for line in (workdir / "gate.log").read_text().splitlines()
-              if line.startswith("fp8gate: measured bf16 [")]
+    lines += _pass_lines(workdir / "gate.log")
     lines += _kl_lines(report)
     lines += _speed_lines(report)
     lines += _bench_latency(args, workdir, bf16)
