@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-NOISE_BATCH_SIZE = 7
 
 
 def bare(workdir: Path) -> None:
@@ -35,6 +34,9 @@ def bare(workdir: Path) -> None:
 
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
+
+    from pytest_fp8gate.engine import ALL_AT_ONCE
+    from pytest_fp8gate.measure import BATCH_ORDER
 
     probs, task = config["probabilities"], config["tasks"][0]
     samples = workdir / "artifacts" / "bf16" / "main" / f"samples_{task['name']}.jsonl"
@@ -55,13 +57,11 @@ def bare(workdir: Path) -> None:
                    for c in contexts]
         score = SamplingParams(max_tokens=1, prompt_logprobs=-1, flat_logprobs=True, detokenize=False)
         greedy = SamplingParams(temperature=0.0, max_tokens=128, stop=["Question:", "</s>", "<|im_end|>"])
-        passes = [(None, False)] + ([(NOISE_BATCH_SIZE, True)] if with_noise_pass else [])
-        for batch, reverse in passes:
+        # The main pass, then the batch-order noise pass in the gate's own request order.
+        for layout in [ALL_AT_ONCE] + ([BATCH_ORDER] if with_noise_pass else []):
             for items, params in (([{"prompt_token_ids": c} for c in chunks], score), (prompts, greedy)):
-                order = items[::-1] if reverse else items
-                size = batch or len(order)
-                for start in range(0, len(order), size):
-                    llm.generate(order[start:start + size], params, use_tqdm=False)
+                for batch in layout.batches(len(items)):
+                    llm.generate([items[i] for i in batch], params, use_tqdm=False)
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()

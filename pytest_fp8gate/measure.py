@@ -27,13 +27,13 @@ from .dumps import RUN_ID, write_logprob_dump
 from .engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine
 from .errors import Fp8GateError, IdScoringUnavailable, MeasurementError
 from .logprobs import LogprobRun
-from .record import NOISE_BATCH_SIZE, BaselineRecord, ModelResult, Needs, PassResult
+from .record import NOISE_STRIDE, BaselineRecord, ModelResult, Needs, PassResult
 from .spec import BATCH_ORDER_PASS, FP16_PASS, GateConfig, ModelSpec, TaskSpec
 
 if TYPE_CHECKING:
     from .baseline_cache import BaselineCache
 
-BATCH_ORDER = BatchLayout(NOISE_BATCH_SIZE, reverse=True)  # for prompt logprobs, generation and scoring alike
+BATCH_ORDER = BatchLayout(reverse=True, stride=NOISE_STRIDE)  # for prompt logprobs, generation and scoring alike
 
 
 class Measurements:
@@ -148,7 +148,7 @@ class Measurements:
     def engine_settings(self) -> dict[str, Any]:
         """Settings of the baseline's engines that come from the gate rather than the thresholds file."""
         return {"max_logprobs": self._max_logprobs(), "full_vocab": self._full_vocab_wanted(),
-                "in_process": self.config.deterministic_scheduling, "noise_batch_size": NOISE_BATCH_SIZE,
+                "in_process": self.config.deterministic_scheduling, "noise_stride": NOISE_STRIDE,
                 "fp16_dtype": "float16"}
 
     def baseline_key(self, needs: Needs) -> dict[str, Any]:

@@ -100,7 +100,8 @@ def test_demo_creates_its_workdir_and_collects_the_demo_rules(tmp_path) -> None:
 
     workdir = tmp_path / "not" / "yet" / "there"
     done = subprocess.run(
-        [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir), "--", "--collect-only", "-q"],
+        [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir), "--checkpoints", "--",
+         "--collect-only", "-q"],
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (workdir / "thresholds.toml").is_file()
@@ -121,6 +122,9 @@ def test_demo_on_cuda_judges_speed_with_cuda_graphs(tmp_path) -> None:
     path.write_text(demo_config_text({}, cuda=True), encoding="utf-8")
     config = load_config(path)
     assert config.device == "cuda" and config.baseline.engine["enforce_eager"] is False
+    assert config.tasks[0].limit == 500  # all of them: seconds a pass on a GPU, minutes on 2 CPU cores
+    path.write_text(demo_config_text({}), encoding="utf-8")
+    assert load_config(path).tasks[0].limit == 100
     assert config.speed is not None and config.speed.gpu == "auto"
 
 

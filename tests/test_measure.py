@@ -143,7 +143,18 @@ def test_a_batch_layout_splits_and_orders_requests():
     assert list(BatchLayout(2).batches(5)) == [[0, 1], [2, 3], [4]]
     assert list(BatchLayout(3, reverse=True).batches(7)) == [[6, 5, 4], [3, 2, 1], [0]]
     assert list(BatchLayout(reverse=True).batches(3)) == [[2, 1, 0]]
+    assert list(BatchLayout(stride=3).batches(7)) == [[0, 3, 6, 1, 4, 2, 5]]
+    assert list(BatchLayout(2, reverse=True, stride=3).batches(5)) == [[2, 4], [1, 3], [0]]
     assert list(BATCH_ORDER.batches(0)) == [] and list(ALL_AT_ONCE.batches(0)) == []
+
+
+def test_the_noise_layout_is_one_call_in_another_order_with_new_neighbours():
+    # One call, as the main pass (batches of 7 serialized the noise pass: 5.9 x the main pass on an
+    # H200), but every request is submitted between others than in the main pass.
+    (order,) = BATCH_ORDER.batches(500)
+    assert sorted(order) == list(range(500)) and order != list(range(500))
+    neighbours = {frozenset(pair) for pair in zip(range(499), range(1, 500))}
+    assert not neighbours & {frozenset(pair) for pair in zip(order, order[1:])}
 
 
 # ---- capabilities: what the gate does where the engine cannot ---------------------------------

