@@ -48,7 +48,9 @@ def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, An
     return {
         "format": FORMAT,
         "model": _portable_model(model),
-        "engine": {"kwargs": config.baseline.engine, **engine_settings},
+        # An env table joins the key only when there is one, so that existing entries keep theirs.
+        "engine": {"kwargs": config.baseline.engine, **engine_settings,
+                   **({"env": dict(config.baseline.env)} if config.baseline.env else {})},
         "versions": environment["versions"],
         "devices": devices,
         "noise_passes": list(config.noise.passes),

@@ -7,12 +7,14 @@ elsewhere); only one is resident at a time (see ``Engine.shutdown``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import statistics as stats
+import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -297,6 +299,33 @@ class Engine:
         gc.collect()
         cleanup_dist_env_and_memory()
         log.info("fp8gate: stopped engine for %s", self.spec.name)
+
+
+@contextlib.contextmanager
+def applied_env(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment from an engine's start to its shutdown, then the
+    environment as it was. A child-process engine core inherits it at its start; an in-process
+    one reads ``vllm.envs`` lazily, but caches every value once its core is up (``enable_envs_cache``),
+    so that cache is dropped on both sides: no engine sees another's values."""
+    saved = {name: os.environ.get(name) for name in env}
+    _drop_vllm_env_cache()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _drop_vllm_env_cache()
+
+
+def _drop_vllm_env_cache() -> None:
+    envs = sys.modules.get("vllm.envs")  # not imported: nothing cached
+    disable = getattr(envs, "disable_envs_cache", None)  # vLLM releases without the cache lack it
+    if disable is not None:
+        disable()
 
 
 def _flat_to_arrays(

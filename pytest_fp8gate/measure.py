@@ -26,7 +26,7 @@ from . import gpus, hardware, preflight, provenance
 from .answers import AnswerRecord
 from .atomic import atomic_write_text
 from .dumps import RUN_ID, read_lm_eval_samples, write_logprob_dump
-from .engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine, Latency
+from .engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine, Latency, applied_env
 from .errors import Fp8GateError, IdScoringUnavailable, MeasurementError
 from .logprobs import LogprobRun
 from .spec import GateConfig, ModelSpec, SpeedSpec, TaskSpec
@@ -204,6 +204,12 @@ class Measurements:
 
     @contextlib.contextmanager
     def _running(self, spec: ModelSpec, label: str, dtype: str | None = None) -> Iterator[Engine]:
+        """A started engine for ``spec`` with its ``env`` applied, shut down on leaving."""
+        with applied_env(spec.env), self._running_engine(spec, label, dtype) as engine:
+            yield engine
+
+    @contextlib.contextmanager
+    def _running_engine(self, spec: ModelSpec, label: str, dtype: str | None = None) -> Iterator[Engine]:
         """A started engine for ``spec``, shut down on leaving. Its start time, duration and
         settings are recorded, and free GPU memory before the start, while it runs and after
         the shutdown."""
@@ -224,6 +230,7 @@ class Measurements:
             self.engine_runs.append({"label": label, "name": spec.name, "started_at": started_at,
                                      "duration_s": round(time.perf_counter() - started, 3),
                                      "startup_s": round(engine.start_s, 3), "kwargs": engine.kwargs,
+                                     "env": dict(spec.env),
                                      "vllm": facts, "capabilities": engine.capabilities.as_dict(),
                                      "gpu_free_mib": memory})
             # Free MiB per visible GPU before start, while running, after shutdown (None: no GPU).

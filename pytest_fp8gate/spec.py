@@ -21,6 +21,9 @@ class ModelSpec:
     quantization: str | None  # vLLM quantization name; None: as the checkpoint says
     # Effective vllm.LLM keyword arguments: a candidate's table merged over the baseline's.
     engine: dict[str, Any] = field(hash=False)
+    # Environment of this model's engines only (set from its start to its shutdown); a candidate's
+    # table merged over the baseline's, like ``engine``.
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for vllm.LLM (a fresh dict each call)."""

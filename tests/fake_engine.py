@@ -15,6 +15,7 @@ with a log of every call (``FakeEngine.calls``), to pass as
 from __future__ import annotations
 
 import json
+import os
 import re
 import zlib
 from collections.abc import Callable, Sequence
@@ -98,6 +99,8 @@ class FakeEngine(Engine):
     sampling_fields: ClassVar[tuple[str, ...]] = FIELDS_0_33
     id_scoring_refusal: ClassVar[str | None] = None  # the engine refuses scoring given ids at run time
     calls: ClassVar[list[tuple[Any, ...]]] = []
+    # (event, spec name, this process's FP8GATE_TEST_* variables) at each start and shutdown
+    environments: ClassVar[list[tuple[str, str, dict[str, str]]]] = []
 
     @classmethod
     def prepare_process(cls, in_process: bool) -> None:
@@ -108,6 +111,7 @@ class FakeEngine(Engine):
         self.capabilities = capabilities.detect(self.vllm_version, self.sampling_fields)
         self.model = self.models.get(spec.name, FakeModel())
         self.calls.append(("start", spec.name, dtype))
+        self.environments.append(("start", spec.name, _test_env()))
         if self.model.fail_start:
             raise RuntimeError(self.model.fail_start)
         self.spec = spec
@@ -206,12 +210,18 @@ class FakeEngine(Engine):
 
     def shutdown(self) -> None:
         self.calls.append(("shutdown", self.spec.name))
+        self.environments.append(("shutdown", self.spec.name, _test_env()))
+
+
+def _test_env() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name.startswith("FP8GATE_TEST_")}
 
 
 def fake_engine_class(models: dict[str, FakeModel] | None = None, **settings: Any) -> type[FakeEngine]:
     """A FakeEngine subclass over ``models`` with its own call log; ``settings`` override its class
     attributes (``vllm_version``, ``sampling_fields``, ``id_scoring_refusal``)."""
-    return type("FakeEngine", (FakeEngine,), {"models": dict(models or {}), "calls": [], **settings})
+    return type("FakeEngine", (FakeEngine,), {"models": dict(models or {}), "calls": [], "environments": [],
+                                              **settings})
 
 
 # A task in lm-eval's GSM8K format that the fake models can answer: the number asked for.

@@ -81,6 +81,27 @@ def test_each_engine_starts_once_and_measures_what_its_own_rules_need(tmp_path: 
     assert all(run.logprobs is not None and "echo" in run.samples for run in found.noise().values())
 
 
+def test_an_env_value_reaches_only_its_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("FP8GATE_TEST_SHARED", "outer")
+    good_table = 'name = "good"\nquantization = "fp8_per_channel"\n'
+    env = '[candidates.env]\nFP8GATE_TEST_ONLY = "good"\nFP8GATE_TEST_SHARED = "inner"\n'
+
+    def edit(text: str) -> str:
+        return text.replace(good_table, good_table + env)
+
+    found = measurements(tmp_path, {"good": PROBABILITIES, "bad": PROBABILITIES}, edit)
+    found.candidate("good"), found.candidate("bad")
+    seen = found.engine_class.environments  # type: ignore[attr-defined]
+    good = {"FP8GATE_TEST_ONLY": "good", "FP8GATE_TEST_SHARED": "inner"}
+    assert [(event, name, env) for event, name, env in seen if name == "good"] == [
+        ("start", "good", good), ("shutdown", "good", good)]
+    assert all(env == {"FP8GATE_TEST_SHARED": "outer"} for _, name, env in seen if name != "good")
+    assert os.environ["FP8GATE_TEST_SHARED"] == "outer" and "FP8GATE_TEST_ONLY" not in os.environ
+    # On record with the engine run it shaped.
+    assert [run["env"] for run in found.engine_runs if run["name"] == "good"] == [good]
+    assert found.provenance(found.config.candidates[0])["engine_runs"][0]["env"] == good
+
+
 def test_a_failed_measurement_is_reraised_to_every_later_rule_and_never_retried(tmp_path: Path):
     models = {**MODELS, "bad": FakeModel(fail_start="CUDA error: out of memory\nmore detail")}
     found = measurements(tmp_path, {"good": PROBABILITIES, "bad": PROBABILITIES}, models=models)
