@@ -7,7 +7,15 @@ every engine's processes are tracked from its start to its shutdown: on
 SIGTERM, SIGINT and at interpreter exit they are stopped, and then the signal
 takes its course (SIGTERM its default action, SIGINT Python's KeyboardInterrupt).
 
-SIGKILL cannot be caught, so while an engine is up its process ids are also in
+SIGKILL cannot be caught (it is what a CI runner sends when a job's timeout or
+cancel grace ends). So the first engine start also starts a watchdog: a small
+separate process, in a session of its own so that a signal to the gate's process
+group spares it, that polls the gate's pid and keeps a list of the processes the
+gate has spawned since; when the gate is gone it stops them and their children
+(SIGTERM, then SIGKILL after ``GRACE_S``) and exits. A process spawned in the last
+``WATCH_INTERVAL_S`` before the gate died is caught only through its parent.
+
+Should the watchdog die too, while an engine is up its process ids are also in
 ``PID_FILE`` under the artifacts directory; a later run with the same
 directory reports the processes a killed run left behind (``stale_engines``).
 """
@@ -18,7 +26,10 @@ import atexit
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +38,8 @@ from .atomic import atomic_write_text
 
 PID_FILE = "fp8gate-engines.json"
 GRACE_S = 5.0  # between SIGTERM and SIGKILL of an engine process
+WATCH_INTERVAL_S = 0.5  # how often the watchdog looks at the gate
+WATCHDOG_MARK = "fp8gate-watchdog"  # in the watchdog's command line
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Helpers the first engine happens to start but the whole process shares (an in-process engine's
 # torch compile pool too): the next engine would find them dead, and they exit with the process.
@@ -49,6 +62,57 @@ _starting: dict[str, set[int]] = {}
 _pid_dir: Path | None = None
 _previous_handlers: dict[int, Any] = {}
 _installed = False
+_watchdog: subprocess.Popen[bytes] | None = None
+
+# The watchdog's program (run as ``python -c``, so it needs no import path but psutil's).
+# argv: mark, gate pid, gate create time, earliest create time of what it stops, interval, grace.
+_WATCHDOG = """
+import sys, time
+import psutil
+
+gate_pid, gate_created, since, interval, grace = int(sys.argv[2]), *map(float, sys.argv[3:7])
+me = psutil.Process().pid
+
+
+def gate_alive():
+    try:
+        gate = psutil.Process(gate_pid)
+        return abs(gate.create_time() - gate_created) < 0.01 and gate.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+seen = {}
+while gate_alive():
+    try:
+        for child in psutil.Process(gate_pid).children(recursive=True):
+            if child.pid != me and child.pid not in seen:
+                created = child.create_time()
+                if created >= since:
+                    seen[child.pid] = created
+    except psutil.Error:
+        pass
+    time.sleep(interval)
+left = []
+for pid, created in seen.items():
+    try:
+        process = psutil.Process(pid)
+        if abs(process.create_time() - created) < 0.01:
+            left += [process, *process.children(recursive=True)]
+    except psutil.Error:
+        pass
+for process in left:
+    try:
+        process.terminate()
+    except psutil.Error:
+        pass
+_, alive = psutil.wait_procs(left, timeout=grace)
+for process in alive:
+    try:
+        process.kill()
+    except psutil.Error:
+        pass
+"""
 
 
 def watch(directory: Path) -> None:
@@ -59,17 +123,40 @@ def watch(directory: Path) -> None:
 
 
 def child_pids() -> set[int]:
-    """This process's children, theirs included."""
-    import psutil  # a vLLM dependency; only needed once engines run
+    """This process's children, theirs included (the watchdog excepted)."""
+    import psutil  # a declared dependency; only needed once engines run
 
-    return {child.pid for child in psutil.Process().children(recursive=True)}
+    watchdog = _watchdog.pid if _watchdog is not None else None
+    return {child.pid for child in psutil.Process().children(recursive=True) if child.pid != watchdog}
+
+
+def watchdog_pid() -> int | None:
+    """The pid of this process's watchdog, once an engine start began it."""
+    return _watchdog.pid if _watchdog is not None and _watchdog.poll() is None else None
+
+
+def _start_watchdog(since: float) -> None:
+    """Once per process: the watchdog that stops what this process spawned from ``since`` (a create
+    time) on, should this process die without a word."""
+    global _watchdog
+    if _watchdog is not None:
+        return
+    import psutil
+
+    me = psutil.Process()
+    argv = [sys.executable, "-c", _WATCHDOG, WATCHDOG_MARK, str(me.pid), repr(me.create_time()),
+            repr(since), str(WATCH_INTERVAL_S), str(GRACE_S)]
+    # No pipes of ours: a runner reading the gate's output must not wait for the watchdog's exit.
+    _watchdog = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
 
 
 def starting(label: str) -> set[int]:
     """An engine is about to start: from now a signal also stops what its start spawns.
     Returns this process's children before the start, for ``track``."""
-    before = child_pids()
     with _lock:
+        _start_watchdog(time.time() - 1.0)  # a second early: create times are rounded
+        before = child_pids()
         _install_handlers()
         _starting[label] = before
     return before
@@ -85,6 +172,7 @@ def track(label: str, pids: set[int]) -> Tracked:
     """Stop these processes (an engine's, started since ``child_pids()`` was read) if the gate is stopped."""
     tracked = _tracked(label, pids)
     with _lock:
+        _start_watchdog(min((created for _, created in tracked.processes), default=time.time()) - 1.0)
         _install_handlers()
         _starting.pop(label, None)
         _live.append(tracked)
