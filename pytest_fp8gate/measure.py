@@ -298,7 +298,7 @@ class Measurements:
         spec, needs = self.config.baseline, self._all_needs()
         # Only the probability and answer rules read a noise floor: a speed-only run starts no noise engine.
         passes = self.config.noise.passes if needs.probabilities or needs.tasks else ()
-        problem = preflight.hub_problem(self.config, self.needs)
+        problem = preflight.hub_problem(self.config, self.needs) or self._fewshot_problem(needs.tasks)
         if problem:
             raise MeasurementError(problem)
         with self._running(spec, spec.name) as engine:
@@ -375,12 +375,24 @@ class Measurements:
             return run
         return dataclasses.replace(run, logprobs_on_base_ids=on_base_ids)
 
-    def _run_task(self, engine: Engine, task: TaskSpec, directory: Path, layout: BatchLayout) -> Path:
+    def _tasks(self) -> Any:
+        """lm-eval's task manager, built once: indexing task files is slow."""
         from . import lm_adapter  # lm-eval loads only when a task runs, not with the plugin
 
-        if self._task_manager is None:  # built once: indexing task files is slow
+        if self._task_manager is None:
             self._task_manager = lm_adapter.task_manager(self.config.tasks)
-        return lm_adapter.run_task(engine, task, directory, self._task_manager, self.run_id, layout)
+        return self._task_manager
+
+    def _fewshot_problem(self, names: frozenset[str]) -> str | None:
+        from . import lm_adapter
+
+        tasks = [task for task in self.config.tasks if task.name in names]
+        return lm_adapter.fewshot_problem(tasks, self._tasks()) if tasks else None
+
+    def _run_task(self, engine: Engine, task: TaskSpec, directory: Path, layout: BatchLayout) -> Path:
+        from . import lm_adapter
+
+        return lm_adapter.run_task(engine, task, directory, self._tasks(), self.run_id, layout)
 
     def _pass_provenance(self, spec: ModelSpec, engine: Engine) -> dict[str, Any]:
         return {"environment": provenance.environment(), "model": self.fingerprint(spec),

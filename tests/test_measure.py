@@ -102,6 +102,26 @@ def test_an_env_value_reaches_only_its_engine(tmp_path: Path, monkeypatch: pytes
     assert found.provenance(found.config.candidates[0])["engine_runs"][0]["env"] == good
 
 
+@pytest.mark.parametrize("fewshot, message", [
+    (40, "tasks 'echo': num_fewshot = 40, but the test split (less the question asked) of fp8gate_fake_echo has 39 "
+         "examples; lower num_fewshot to 39 or less"),
+    (39, None),
+])
+def test_num_fewshot_beyond_the_examples_is_refused_before_any_engine(tmp_path: Path, fewshot: int, message):
+    def edit(text: str) -> str:
+        return text.replace('task = "fp8gate_fake_echo"\n', f'task = "fp8gate_fake_echo"\nnum_fewshot = {fewshot}\n')
+
+    found = measurements(tmp_path, {"good": Needs(tasks=frozenset({"echo"}))}, edit, task=True)
+    if message is None:
+        found.candidate("good")
+        assert calls(found, "start")
+        return
+    with pytest.raises(MeasurementError, match="num_fewshot") as info:
+        found.candidate("good")
+    assert str(info.value) == f"measuring bf16: {message}"
+    assert calls(found, "start") == []
+
+
 def test_a_failed_measurement_is_reraised_to_every_later_rule_and_never_retried(tmp_path: Path):
     models = {**MODELS, "bad": FakeModel(fail_start="CUDA error: out of memory\nmore detail")}
     found = measurements(tmp_path, {"good": PROBABILITIES, "bad": PROBABILITIES}, models=models)
