@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..atomic import atomic_write_bytes
+from ..atomic import atomic_write_bytes, fsync_directory
 
 if TYPE_CHECKING:
     import torch
@@ -258,6 +258,7 @@ def _move_into_place(temp: Path, out_dir: Path, marker: dict) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     try:
         os.rename(temp, out_dir)
+        fsync_directory(out_dir.parent)
     except OSError:
         # Another process placed its copy in the meantime; keep it if it is ours too.
         if _read_marker(out_dir) != marker:
