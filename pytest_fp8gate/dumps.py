@@ -157,8 +157,8 @@ def _read_article_json(path: PathLike) -> LogprobRun:
         # JSON's -Infinity (probability 0) or NaN: every mean over positions would be inf or nan.
         index = int(np.flatnonzero(~np.isfinite(real))[0])
         raise DumpFormatError(path, f"{_ARTICLE_FORMAT} with finite log-probs; row {index} has real = "
-                                    f"{float(real[index])} (a probability of zero or no number), which makes "
-                                    "the perplexity and KL undefined")
+                                    f"{json.dumps(float(real[index]))}, which makes the perplexity and KL "
+                                    "undefined")
     try:
         return LogprobRun(
             real_logprob=real,

@@ -78,8 +78,8 @@ def test_compare_logprobs_refuses_an_infinite_logprob_once(tmp_path: Path, capsy
     captured = capsys.readouterr()
     assert status == 2 and captured.out == ""
     assert captured.err == (f"fp8gate: error: {cand}: a JSON list of {{\"real\": <float>, \"top\": <int>}} objects "
-                            "with finite log-probs; row 1 has real = -inf (a probability of zero or no number), "
-                            "which makes the perplexity and KL undefined\n")
+                            "with finite log-probs; row 1 has real = -Infinity, which makes the perplexity and KL "
+                            "undefined\n")
 
 
 def test_flips_names_a_doc_id_type_mismatch(tmp_path: Path, capsys) -> None:
