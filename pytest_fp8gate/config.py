@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection
 
 from . import checkpoint, engine_args, gpus, roofline
-from .errors import CheckpointError, ConfigError, RooflineError
+from .errors import CheckpointError, ConfigError, RooflineError, UnsupportedEngine
 from .rules import FLIP_RULES, RULES, SPEED_RULES
 from .spec import (
     WIKITEXT_2,
@@ -419,7 +419,7 @@ class _Parser:
             return {}
         try:
             fields_ = engine_args.engine_fields()
-        except engine_args.Unchecked as err:
+        except UnsupportedEngine as err:
             raise self.error(where, f"cannot check the engine keys against vLLM's EngineArgs: {err}") from None
         engine = {}
         for key, value in table.raw.items():
@@ -459,7 +459,7 @@ class _Parser:
         for name in (name for name in table.raw if name.startswith("VLLM_")):
             try:
                 known = engine_args.vllm_env_names()
-            except engine_args.Unchecked as err:
+            except UnsupportedEngine as err:
                 raise self.error(table.key(name), f"cannot check the name against vllm.envs: {err}") from None
             if name not in known:
                 close = _closest(name, known)

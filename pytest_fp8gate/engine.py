@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from . import capabilities, lifecycle, provenance
+from . import capabilities, lifecycle, provenance, stack
 from .errors import IdScoringUnavailable, MeasurementError
 from .logprobs import LogprobRun
 from .spec import ModelSpec
@@ -151,8 +151,9 @@ class Engine:
         return int(self.llm.llm_engine.model_config.max_model_len)
 
     def facts(self) -> dict[str, Any]:
-        """What vLLM made of the settings it was given (read before ``shutdown``)."""
-        return provenance.engine_facts(self.llm)
+        """What vLLM made of the settings it was given, and what it selected to serve them
+        (the stack fingerprint; read before ``shutdown``)."""
+        return {**provenance.engine_facts(self.llm), "stack": stack.fingerprint(self.llm)}
 
     def encode(self, text: str, add_bos: bool) -> list[int]:
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))

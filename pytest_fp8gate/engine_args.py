@@ -20,6 +20,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from .errors import UnsupportedEngine
+
 # Accepted by some vLLM releases but without effect on the engines the gate runs.
 REMOVED_OR_IGNORED: Mapping[str, str] = {
     "swap_space": "removed from vLLM's EngineArgs in 0.18 (the V1 engine has no CPU swap space; "
@@ -40,17 +42,13 @@ GATE_VALUES: Mapping[str, tuple[Any, ...]] = {
 }
 
 
-class Unchecked(Exception):
-    """The installed vLLM's EngineArgs could not be read."""
-
-
 @functools.cache
 def engine_fields() -> dict[str, Any]:
     """Name -> annotation of every field of the installed vLLM's ``EngineArgs``."""
     try:
         from vllm.engine.arg_utils import EngineArgs
     except Exception as err:  # not installed, or a broken install: no engine could start either
-        raise Unchecked(f"{type(err).__name__}: {err}") from None
+        raise UnsupportedEngine(f"{type(err).__name__}: {err}") from None
     return {field.name: field.type for field in dataclasses.fields(EngineArgs) if not field.name.startswith("_")}
 
 
@@ -60,7 +58,7 @@ def vllm_env_names() -> frozenset[str]:
     try:
         from vllm import envs
     except Exception as err:
-        raise Unchecked(f"{type(err).__name__}: {err}") from None
+        raise UnsupportedEngine(f"{type(err).__name__}: {err}") from None
     return frozenset(envs.environment_variables)
 
 

@@ -8,6 +8,7 @@ recomputes the number from this run's artifacts.
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ class Verdict:
     examples: tuple[str, ...] = ()
     limit: str | None = None  # where the limit is set: "thresholds.toml probabilities.limits.max_mean_kl = 0.01"
     recompute: str | None = None  # the fp8gate command that recomputes the measured number from the artifacts
+    served: str | None = None  # how the engine served the candidate, when not as named (stack.served_otherwise)
 
     @property
     def passed(self) -> bool:
@@ -56,7 +58,8 @@ class Verdict:
     def explain(self) -> str:
         state = "passed" if self.passed else "FAILED"
         subject = f" on {self.case.task}" if self.case.task else ""
-        lines = [f"{self.outcome.rule} {state} for candidate {self.case.candidate}{subject}"]
+        served = f" ({self.served})" if self.served else ""
+        lines = [f"{self.outcome.rule} {state} for candidate {self.case.candidate}{subject}{served}"]
         width = max(len(label) for label, _ in self.outcome.rows)
         lines += [f"  {label:<{width}}  {_number(value)}" for label, value in self.outcome.rows]
         lines += [f"  note: {note}" for note in self.notes]
@@ -72,7 +75,7 @@ class Verdict:
     def as_dict(self) -> dict[str, Any]:
         return {"candidate": self.case.candidate, "task": self.case.task, **self.outcome.as_dict(),
                 "notes": list(self.notes), "details": self.details, "limit_key": self.limit,
-                "recompute": self.recompute}
+                "recompute": self.recompute, "served": self.served}
 
 
 def fp8gate_command(*words: Any) -> str:
@@ -107,7 +110,8 @@ class Gate:
         if rule is None:
             raise GateError(f"unknown rule {case.rule!r}; expected one of {', '.join(rules.BY_NAME)}")
         # Probability rules share one judge driven by their row; any other rule has a method of its name.
-        return self.probability(case) if rule.kind == "probability" else getattr(self, rule.name)(case)
+        verdict = self.probability(case) if rule.kind == "probability" else getattr(self, rule.name)(case)
+        return dataclasses.replace(verdict, served=self.measurements.served_otherwise(case.candidate))
 
     def _limit(self, key: str, value: Any) -> str:
         return f"{display_path(self.config.path)} {key} = {value:g}"

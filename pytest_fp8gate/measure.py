@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from . import capabilities as capabilities_mod
 from . import corpus as corpus_mod
 from . import gpus, hardware, preflight, provenance
+from . import stack as stack_mod
 from .answers import AnswerRecord
 from .atomic import atomic_write_text
 from .dumps import RUN_ID, read_lm_eval_samples, write_logprob_dump
@@ -236,6 +237,12 @@ class Measurements:
             # Free MiB per visible GPU before start, while running, after shutdown (None: no GPU).
             atomic_write_text(self.artifacts / "gpu_memory.json", json.dumps(
                 {run["label"]: run["gpu_free_mib"] for run in self.engine_runs}, indent=1))
+
+    def served_otherwise(self, name: str) -> str | None:
+        """What the engine served a candidate with when that is not what its name says (its
+        FP8 layers through a weight-only kernel), from its engine's stack fingerprint."""
+        stacks = [run["vllm"].get("stack") for run in self.engine_runs if run["name"] == name and run.get("vllm")]
+        return stack_mod.served_otherwise(stacks[-1]) if stacks and stacks[-1] else None
 
     def engine_settings(self) -> dict[str, Any]:
         """Settings of the baseline's engines that come from the gate rather than the thresholds file."""

@@ -99,6 +99,7 @@ class FakeEngine(Engine):
     sampling_fields: ClassVar[tuple[str, ...]] = FIELDS_0_33
     id_scoring_refusal: ClassVar[str | None] = None  # the engine refuses scoring given ids at run time
     calls: ClassVar[list[tuple[Any, ...]]] = []
+    stacks: ClassVar[dict[str, dict[str, Any]]] = {}  # a stack fingerprint by spec name (facts()["stack"])
     # (event, spec name, this process's FP8GATE_TEST_* variables) at each start and shutdown
     environments: ClassVar[list[tuple[str, str, dict[str, str]]]] = []
 
@@ -135,8 +136,9 @@ class FakeEngine(Engine):
         return int(self.spec.engine.get("max_model_len", 2048))
 
     def facts(self) -> dict[str, Any]:
+        stack = self.stacks.get(self.spec.name)
         return {"seed": "0", "dtype": str(self._dtype or self.spec.engine.get("dtype", "auto")),
-                "quantization": str(self.spec.quantization)}
+                "quantization": str(self.spec.quantization), **({"stack": stack} if stack else {})}
 
     # ---- probabilities -----------------------------------------------------
 

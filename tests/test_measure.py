@@ -122,6 +122,25 @@ def test_num_fewshot_beyond_the_examples_is_refused_before_any_engine(tmp_path: 
     assert calls(found, "start") == []
 
 
+MARLIN_STACK = {"model_runner": "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
+                "attention_backends": ["FLASH_ATTN"], "compilation_mode": "3", "cudagraph_mode": "FULL_AND_PIECEWISE",
+                "linear_layers": {"Fp8LinearMethod [MarlinFP8ScaledMMLinearKernel]": 6,
+                                  "UnquantizedLinearMethod": 1}}
+CUTLASS_STACK = dict(MARLIN_STACK, linear_layers={"Fp8LinearMethod [CutlassFP8ScaledMMLinearKernel]": 6})
+
+
+def test_a_candidate_served_weight_only_says_so_in_the_verdicts_first_line(tmp_path: Path):
+    found = measurements(tmp_path, {"good": PROBABILITIES, "bad": PROBABILITIES},
+                         stacks={"good": MARLIN_STACK, "bad": CUTLASS_STACK})
+    gate = Gate(found.config, found)
+    first = gate.evaluate(Case("mean_kl", "good")).explain().splitlines()[0]
+    assert first.startswith("mean_kl ") and first.endswith(
+        "for candidate good (served weight-only: 6 of 7 linear layers through Fp8LinearMethod "
+        "[MarlinFP8ScaledMMLinearKernel], so the activations were not FP8)")
+    assert "served" not in gate.evaluate(Case("mean_kl", "bad")).explain().splitlines()[0]  # W8A8 as named
+    assert gate.evaluate(Case("mean_kl", "good")).as_dict()["served"].startswith("served weight-only")
+
+
 def test_a_failed_measurement_is_reraised_to_every_later_rule_and_never_retried(tmp_path: Path):
     models = {**MODELS, "bad": FakeModel(fail_start="CUDA error: out of memory\nmore detail")}
     found = measurements(tmp_path, {"good": PROBABILITIES, "bad": PROBABILITIES}, models=models)
