@@ -323,8 +323,9 @@ full_vocab = true
 max_mean_kl = 0.001355
 {candidates}""", encoding="utf-8")
     report, artifacts = workdir / "report.json", workdir / "artifacts"
-    command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "-q", str(workdir / "thresholds.toml"),
-               "--rootdir", str(workdir), "--fp8gate-config", str(workdir / "thresholds.toml"), "--fp8gate-artifacts", str(artifacts),
+    config = workdir / "thresholds.toml"
+    command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "-q", str(config),
+               "--rootdir", str(workdir), "--fp8gate-config", str(config), "--fp8gate-artifacts", str(artifacts),
                "-k", "mean_kl", "--json-report", f"--json-report-file={report}"]
     code, seconds = _run(command, args.workdir / "truth.log", 1800)
     lines = [f"(f) what the engine ran: pytest exit {code} in {seconds:.0f} s (log {args.workdir / 'truth.log'})"]
