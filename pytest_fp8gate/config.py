@@ -194,8 +194,9 @@ def _passes(value: Any) -> list[str]:
     return passes
 
 
-# Engine keys whose values the gate checks more strictly than their vLLM type (ranges, names);
-# every other key is checked against the installed vLLM's EngineArgs (engine_args.py).
+# Engine keys whose values the gate checks more strictly than their vLLM type (ranges, names), all
+# EngineArgs fields in every supported vLLM release: a table of only these needs no vLLM import
+# (seconds, torch included). Every other key is checked against the installed vLLM's EngineArgs.
 _ENGINE_RANGES: dict[str, _Check] = {
     "tensor_parallel_size": _integer(1),
     "pipeline_parallel_size": _integer(1),
@@ -210,6 +211,11 @@ _ENGINE_RANGES: dict[str, _Check] = {
     "tokenizer": _text(),
     "block_size": _integer(1),
     "kv_cache_memory_bytes": _integer(1),
+    "enforce_eager": _boolean,
+    "trust_remote_code": _boolean,
+    "enable_prefix_caching": _boolean,
+    "dtype": _text(("auto", "half", "float16", "bfloat16", "float", "float32")),
+    "distributed_executor_backend": _text(("mp", "ray", "uni", "external_launcher")),
 }
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Set by the gate itself for the whole process (deterministic_scheduling), not per engine.
@@ -415,30 +421,28 @@ class _Parser:
     def engine(self, where: str, raw: Any) -> dict[str, Any]:
         """An engine table, every key an EngineArgs field of the installed vLLM."""
         table = _Table(self, where, raw, raw if isinstance(raw, dict) else ())
-        if not table.raw:
-            return {}
-        try:
-            fields_ = engine_args.engine_fields()
-        except UnsupportedEngine as err:
-            raise self.error(where, f"cannot check the engine keys against vLLM's EngineArgs: {err}") from None
         engine = {}
         for key, value in table.raw.items():
             refused = engine_args.refusal(key, value)
             if refused:
                 raise self.error(table.key(key), refused)
+            if key in _ENGINE_RANGES:
+                engine[key] = table.get(key, _ENGINE_RANGES[key])
+                continue
+            try:
+                fields_ = engine_args.engine_fields()
+            except UnsupportedEngine as err:
+                raise self.error(table.key(key), f"cannot check the key against vLLM's EngineArgs: {err}") from None
             if key not in fields_:
                 close = _closest(key, fields_)
                 hint = f"did you mean {close!r}?" if close else "not a field of the installed vLLM's EngineArgs"
                 raise self.error(table.key(key), "unknown key; " + hint)
-            if key in _ENGINE_RANGES:
-                value = table.get(key, _ENGINE_RANGES[key])
-            else:
-                wrong = engine_args.mismatch(fields_[key], value)
-                if wrong:
-                    choices = engine_args.string_choices(fields_[key])
-                    close = _closest(value, choices) if isinstance(value, str) else None
-                    hint = f"; did you mean {close!r}?" if close else ""
-                    raise self.error(table.key(key), f"expected {wrong}, got {_show(value)}{hint}")
+            wrong = engine_args.mismatch(fields_[key], value)
+            if wrong:
+                choices = engine_args.string_choices(fields_[key])
+                close = _closest(value, choices) if isinstance(value, str) else None
+                hint = f"; did you mean {close!r}?" if close else ""
+                raise self.error(table.key(key), f"expected {wrong}, got {_show(value)}{hint}")
             engine[key] = engine_args.as_engine_value(fields_[key], value)
         if "tokenizer" in engine:
             engine["tokenizer"] = self.model_ref(table.key("tokenizer"), engine["tokenizer"])

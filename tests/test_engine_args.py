@@ -119,14 +119,27 @@ VLLM_USE_V2_MODEL_RUNNER = "0"
     assert gate.candidates[0].env == {"OMP_NUM_THREADS": "2", "VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
-def test_a_config_without_engine_tables_does_not_import_vllm(tmp_path):
-    """The plugin stays cheap to load: EngineArgs is read only for an engine table."""
+@pytest.mark.parametrize("table, imports", [
+    ("", False),
+    # The demo's keys: all checked by the gate itself, fields of every supported release.
+    ('[baseline.engine]\ndtype = "bfloat16"\nmax_model_len = 2048\nenforce_eager = true\n'
+     "gpu_memory_utilization = 0.3\n", False),
+    ("[baseline.engine]\nenable_chunked_prefill = false\n", True),
+], ids=["no engine table", "the gate's own keys", "any other key"])
+def test_vllm_is_imported_only_for_a_key_the_gate_does_not_know(tmp_path, table, imports):
+    """The plugin stays cheap to load: EngineArgs is read only for a key outside the gate's own checks."""
     import subprocess
     import sys
 
-    (tmp_path / "thresholds.toml").write_text(MODELS, encoding="utf-8")
+    (tmp_path / "thresholds.toml").write_text(MODELS + table, encoding="utf-8")
     code = ("import sys; from pytest_fp8gate.config import load_config; load_config(sys.argv[1]); "
             "print('vllm' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "thresholds.toml")],
                           capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "False"
+    assert done.stdout.strip() == str(imports)
+
+
+def test_the_gates_own_engine_keys_are_fields_of_the_installed_vllm():
+    from pytest_fp8gate.config import _ENGINE_RANGES
+
+    assert set(_ENGINE_RANGES) <= set(engine_args.engine_fields())

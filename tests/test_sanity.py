@@ -151,6 +151,9 @@ class RecordedMeasurements:
     def noise(self) -> dict[str, PassResult]:
         return {}
 
+    def served_otherwise(self, name: str) -> str | None:
+        return None  # no engine ran, so none served anything otherwise
+
 
 def _graded(path: Path, correct: list[int]) -> Path:
     write_lm_eval_samples(path, [{"doc_id": i, "filter": "strict-match", "exact_match": c, "prompt_hash": f"h{i}",
