@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import plots
+from . import plots, stack
 from .answers import AnswerComparison, FlippedAnswer, compare_answers
 from .dumps import read_lm_eval_generations
 from .gate import Case, Verdict, compare_logprobs_command, flips_command
@@ -270,6 +270,7 @@ def _provenance_lines(data: ReportData) -> list[str]:
                 for r in runs]
         lines += ["", *table(("engine", "started (UTC)", "ran", "startup", "vLLM seed", "settings that reached vLLM"),
                              rows)]
+        lines += _stack_lines(runs)
     seeds = p.get("lm_eval_seeds")
     if seeds:
         lines += ["", "lm-eval seeds: " + ", ".join(f"{k}={v}" for k, v in seeds.items())]
@@ -283,6 +284,16 @@ def _provenance_lines(data: ReportData) -> list[str]:
                      f"limit {task['limit']}, filter {task['filter']}, metric {task['metric']}, "
                      f"max_gen_toks {task['max_gen_toks']}")
     return lines + [""]
+
+
+def _stack_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """What vLLM selected for each engine (stack.py), and its env table where it had one."""
+    lines = ["", "What each engine ran (vLLM's selections):", ""]
+    for run in runs:
+        env = run.get("env")
+        shown = f" (env: {', '.join(f'{k}={v}' for k, v in sorted(env.items()))})" if env else ""
+        lines.append(f"- {run['label']}{shown}: {stack.summary(run.get('vllm', {}).get('stack'))}")
+    return lines
 
 
 def render(data: ReportData, plot_dir: Path | None, stem: str = "fp8gate") -> Rendered:
