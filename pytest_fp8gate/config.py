@@ -277,6 +277,8 @@ _TASK_LIMIT_CHECKS = {
     "flip_rule": _text(FLIP_RULES),
     "flip_alpha": _number(0, 0.5, low_open=True),
     "min_baseline_accuracy": _FRACTION,
+    "expected_accuracy": _FRACTION,
+    "expected_accuracy_se": _number(0, low_open=True),
 }
 _SPEED_CHECKS = {
     "input_len": _integer(1),

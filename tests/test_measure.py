@@ -11,7 +11,7 @@ import pytest
 from fake_engine import FIELDS_0_33, MODELS, FakeModel, fake_engine_class, write_gate
 from pytest_fp8gate.config import load_config
 from pytest_fp8gate.engine import ALL_AT_ONCE, IN_PROCESS_ENV, BatchLayout, Engine
-from pytest_fp8gate.errors import MeasurementError
+from pytest_fp8gate.errors import GateError, MeasurementError
 from pytest_fp8gate.gate import Case, Gate
 from pytest_fp8gate.logprobs import TOPK_KL
 from pytest_fp8gate.measure import BATCH_ORDER, Measurements, Needs
@@ -303,3 +303,26 @@ def test_the_in_process_setting_after_an_engine_started_is_refused(vllm_env: pyt
         "deterministic_scheduling: 1 engine(s) already started in this process with their cores in child "
         f"processes, and vLLM reads {IN_PROCESS_ENV} only once; run the gate in a fresh process")
     assert os.environ[IN_PROCESS_ENV] == "1"
+
+
+def test_a_baseline_far_from_its_expected_accuracy_fails_with_the_harness_message(tmp_path: Path):
+    case = Case("accuracy", "good", "echo")
+    measured = Gate(*_gate_parts(tmp_path / "a", "")).answer_comparison(case)[0].accuracy_base
+    wrong = round(measured - 0.3, 4)  # 3 SE at 40 questions is at most 0.24
+    gate = Gate(*_gate_parts(tmp_path / "b", f"expected_accuracy = {wrong}\n"))
+    with pytest.raises(GateError) as info:
+        gate.evaluate(case)
+    assert str(info.value) == (
+        f"baseline bf16 scores {measured:.4f} on echo (40 questions, filter 'strict-match', metric 'exact_match'), "
+        f"but tasks.limits.expected_accuracy is {wrong:g} ± 3 SE ({3 * (wrong * (1 - wrong) / 40) ** 0.5:.4f}): "
+        "the harness or the baseline is broken (prompt format, few-shot, filter, metric, tokenizer or weights), "
+        "so no comparison against it can be trusted")
+    near = Gate(*_gate_parts(tmp_path / "c", f"expected_accuracy = {measured}\n"))
+    assert near.evaluate(case).outcome.rule == "accuracy"  # judged as before
+
+
+def _gate_parts(directory: Path, limits: str):
+    directory.mkdir()
+    found = measurements(directory, {"good": Needs(tasks=frozenset({"echo"}))},
+                         lambda text: text.replace("[tasks.limits]\n", "[tasks.limits]\n" + limits), task=True)
+    return found.config, found

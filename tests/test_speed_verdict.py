@@ -10,6 +10,7 @@ import pytest
 from pytest_fp8gate.config import load_config
 from pytest_fp8gate.demo.run import demo_config_text
 from pytest_fp8gate.engine import Latency
+from pytest_fp8gate.errors import GateError
 from pytest_fp8gate.gate import Case, Gate
 from pytest_fp8gate.measure import ModelResult, PassResult
 from pytest_fp8gate.options import display_path
@@ -106,3 +107,18 @@ def test_the_speed_verdict_ends_with_its_limit_and_the_roofline_command(gate_for
         # The embedded model is overhead-bound, so that limit applies.
         f"  limit: {display_path(gate.config.path)} speed.min_ratio_overhead_bound = 0.5",
         f"  recompute: fp8gate roofline {model} --quantization fp8_per_channel --bandwidth-gbps 4800 --context 1128"]
+
+
+def test_a_share_of_the_ceiling_above_one_is_refused_as_a_wrong_byte_model(gate_for):
+    model = Path(gate_for(1, 1).config.baseline.model)
+    cand = estimate_from_path(model, quantization="fp8_per_channel", bandwidth_gbps=4800,
+                              context_tokens=decode_context_tokens(1000, 256))
+    base_tok_s = 617.0
+    gate = gate_for(base_tok_s, 1.5 * cand.ceiling_tok_s)  # faster than the bandwidth allows
+    with pytest.raises(GateError) as info:
+        gate.speed(Case("speed", "fp8-per-channel"))
+    message = str(info.value)
+    assert message.startswith(f"speed: fp8-per-channel decodes {1.5 * cand.ceiling_tok_s:.1f} tok/s, 1.50 x its "
+                              f"roofline ceiling of {cand.ceiling_tok_s:.1f} tok/s at 4800 GB/s")
+    assert "the byte model counts more bytes per token than the model reads" in message
+    assert gate_for(base_tok_s, 0.99 * cand.ceiling_tok_s).speed(Case("speed", "fp8-per-channel"))  # just below
