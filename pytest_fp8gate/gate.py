@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import roofline, rules
+from . import gpus, hardware, roofline, rules
 from .answers import AnswerComparison, AnswerRecord, compare_answers
 from .errors import ComparisonError, DumpFormatError, GateError, RooflineError
 from .logprobs import TOPK_KL, LogprobComparison, compare_logprobs
@@ -308,6 +308,8 @@ class Gate:
                  f"{speed.input_len} tokens, batch {speed.batch_size}",
                  f"KV-cache capacity: candidate {result.kv_cache_tokens} tokens, "
                  f"baseline {base.kv_cache_tokens} tokens"]
+        if not speed.bandwidth_gbps and gpus.find_gpu(gpu_name):  # the table's figure: does NVML agree?
+            notes += [note for note in (hardware.nvml_disagreement(bandwidth),) if note]
         details = {"latency": result.latency.as_dict(), "roofline": estimates["candidate"].as_dict(),
                    "baseline_roofline": estimates["baseline"].as_dict(),
                    "kv_cache_tokens": result.kv_cache_tokens, "baseline_kv_cache_tokens": base.kv_cache_tokens,

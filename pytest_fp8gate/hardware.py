@@ -154,3 +154,15 @@ def nvml_bandwidth_gbps(index: int = 0) -> tuple[float | None, str]:
     if not clock_mhz or not bus_bits:
         return None, f"NVML reported memory clock {clock_mhz} MHz, bus width {bus_bits} bits"
     return clock_mhz * 1e6 * 2 * bus_bits / 8 / 1e9, f"NVML: {clock_mhz} MHz x {bus_bits} bits x 2 / 8"
+
+
+NVML_DISAGREEMENT = 0.10  # share of the table's figure beyond which NVML's is reported next to it
+
+
+def nvml_disagreement(table_gbps: float, index: int = 0) -> str | None:
+    """A warning when NVML's bandwidth of the device differs from the table's by more than 10%."""
+    gbps, how = nvml_bandwidth_gbps(index)
+    if gbps is None or abs(gbps - table_gbps) <= NVML_DISAGREEMENT * table_gbps:
+        return None
+    return (f"WARNING: NVML gives {gbps:,.0f} GB/s for this device ({how}), {abs(gbps / table_gbps - 1):.0%} "
+            f"from the table's {table_gbps:,.0f} GB/s; set speed.bandwidth_gbps to the figure you trust")

@@ -104,12 +104,19 @@ class BaselineRecord:
 
 
 def memory_bandwidth(speed: SpeedSpec) -> tuple[str, float] | None:
-    """The memory bandwidth to judge speed against: configured, else the detected GPU's."""
+    """The memory bandwidth to judge speed against: configured, else the detected GPU's from the
+    table, else (a GPU the table lacks) from NVML."""
     if speed.bandwidth_gbps > 0:
         return speed.gpu, speed.bandwidth_gbps
     name = hardware.resolve_gpu_name(speed.gpu)
     entry = gpus.find_gpu(name) if name else None
-    return (entry.name, entry.bandwidth_gbps) if entry else None
+    if entry is not None:
+        return entry.name, entry.bandwidth_gbps
+    if name is not None and speed.gpu == "auto":  # a visible GPU the table lacks: NVML's clock x bus width
+        gbps, how = hardware.nvml_bandwidth_gbps()
+        if gbps is not None:
+            return f"{name} ({how})", gbps
+    return None
 
 
 def weights_dir(model: str) -> Path:

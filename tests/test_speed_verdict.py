@@ -122,3 +122,26 @@ def test_a_share_of_the_ceiling_above_one_is_refused_as_a_wrong_byte_model(gate_
                               f"roofline ceiling of {cand.ceiling_tok_s:.1f} tok/s at 4800 GB/s")
     assert "the byte model counts more bytes per token than the model reads" in message
     assert gate_for(base_tok_s, 0.99 * cand.ceiling_tok_s).speed(Case("speed", "fp8-per-channel"))  # just below
+
+
+@pytest.mark.parametrize("nvml_gbps, warned", [(4000.0, True), (4900.0, False)])
+def test_the_table_bandwidth_is_checked_against_nvml(gate_for, monkeypatch, nvml_gbps, warned):
+    from pytest_fp8gate import hardware
+
+    monkeypatch.setattr(hardware, "nvml_bandwidth_gbps", lambda index=0: (nvml_gbps, "NVML: faked"))
+    verdict = gate_for(617.0, 600.0, bandwidth_gbps=0.0).speed(Case("speed", "fp8-per-channel"))
+    warnings = [note for note in verdict.notes if note.startswith("WARNING: NVML")]
+    assert warnings == ([f"WARNING: NVML gives {nvml_gbps:,.0f} GB/s for this device (NVML: faked), 17% from the "
+                         "table's 4,800 GB/s; set speed.bandwidth_gbps to the figure you trust"] if warned else [])
+
+
+def test_a_gpu_missing_from_the_table_takes_nvmls_bandwidth(fake_gpus, monkeypatch):
+    from pytest_fp8gate import hardware
+    from pytest_fp8gate.measure import memory_bandwidth
+    from pytest_fp8gate.spec import SpeedSpec
+
+    fake_gpus("NVIDIA H20")
+    monkeypatch.setattr(hardware, "nvml_bandwidth_gbps", lambda index=0: (4022.0, "NVML: 2619 MHz x 6144 bits x 2 / 8"))
+    assert memory_bandwidth(SpeedSpec()) == ("NVIDIA H20 (NVML: 2619 MHz x 6144 bits x 2 / 8)", 4022.0)
+    monkeypatch.setattr(hardware, "nvml_bandwidth_gbps", lambda index=0: (None, "NVML unavailable"))
+    assert memory_bandwidth(SpeedSpec()) is None  # then the speed rule asks for speed.bandwidth_gbps
