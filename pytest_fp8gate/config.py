@@ -13,7 +13,7 @@ import re
 import sys
 from dataclasses import MISSING, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, TypeVar
 
 from . import checkpoint, engine_args, gpus, roofline
 from .errors import CheckpointError, ConfigError, RooflineError, UnsupportedEngine
@@ -69,6 +69,7 @@ class _Invalid(Exception):
 
 
 _Check = Callable[[Any], Any]
+_Names = TypeVar("_Names", bound=Collection[str])
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
 
@@ -89,6 +90,11 @@ def _show(value: Any) -> str:
 def _closest(word: str, choices: Collection[str]) -> str | None:
     close = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=0.6)
     return close[0] if close else None
+
+
+def _known(word: str, names: Collection[str], otherwise: str) -> str:
+    closest = _closest(word, names)
+    return f"did you mean {closest!r}?" if closest else otherwise
 
 
 def _suggest_key(key: str, keys: Collection[str]) -> str:
@@ -431,14 +437,10 @@ class _Parser:
             if key in _ENGINE_RANGES:
                 engine[key] = table.get(key, _ENGINE_RANGES[key])
                 continue
-            try:
-                fields_ = engine_args.engine_fields()
-            except UnsupportedEngine as err:
-                raise self.error(table.key(key), f"cannot check the key against vLLM's EngineArgs: {err}") from None
+            fields_ = self.vllm_names(table.key(key), engine_args.engine_fields, "the key against vLLM's EngineArgs")
             if key not in fields_:
-                close = _closest(key, fields_)
-                hint = f"did you mean {close!r}?" if close else "not a field of the installed vLLM's EngineArgs"
-                raise self.error(table.key(key), "unknown key; " + hint)
+                raise self.error(table.key(key), "unknown key; " + _known(
+                    key, fields_, "not a field of the installed vLLM's EngineArgs"))
             wrong = engine_args.mismatch(fields_[key], value)
             if wrong:
                 choices = engine_args.string_choices(fields_[key])
@@ -463,15 +465,18 @@ class _Parser:
                 raise self.error(table.key(name), f'expected a string (environment values are text: "1", not 1), '
                                                   f"got {_show(value)}")
         for name in (name for name in table.raw if name.startswith("VLLM_")):
-            try:
-                known = engine_args.vllm_env_names()
-            except UnsupportedEngine as err:
-                raise self.error(table.key(name), f"cannot check the name against vllm.envs: {err}") from None
+            known = self.vllm_names(table.key(name), engine_args.vllm_env_names, "the name against vllm.envs")
             if name not in known:
-                close = _closest(name, known)
-                hint = f"did you mean {close!r}?" if close else "not one of the installed vLLM's vllm.envs"
-                raise self.error(table.key(name), f"unknown vLLM environment variable; {hint}")
+                raise self.error(table.key(name), "unknown vLLM environment variable; " + _known(
+                    name, known, "not one of the installed vLLM's vllm.envs"))
         return dict(table.raw)
+
+    def vllm_names(self, where: str, read: Callable[[], _Names], what: str) -> _Names:
+        """Names the installed vLLM knows (``read``), or one error when vLLM cannot say."""
+        try:
+            return read()
+        except UnsupportedEngine as err:
+            raise self.error(where, f"cannot check {what}: {err}") from None
 
     def model_ref(self, where: str, value: str) -> str:
         """A Hugging Face id, or a local path resolved against the TOML's directory."""

@@ -64,55 +64,8 @@ _previous_handlers: dict[int, Any] = {}
 _installed = False
 _watchdog: subprocess.Popen[bytes] | None = None
 
-# The watchdog's program (run as ``python -c``, so it needs no import path but psutil's).
-# argv: mark, gate pid, gate create time, earliest create time of what it stops, interval, grace.
-_WATCHDOG = """
-import sys, time
-import psutil
-
-gate_pid, gate_created, since, interval, grace = int(sys.argv[2]), *map(float, sys.argv[3:7])
-me = psutil.Process().pid
-
-
-def gate_alive():
-    try:
-        gate = psutil.Process(gate_pid)
-        return abs(gate.create_time() - gate_created) < 0.01 and gate.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-seen = {}
-while gate_alive():
-    try:
-        for child in psutil.Process(gate_pid).children(recursive=True):
-            if child.pid != me and child.pid not in seen:
-                created = child.create_time()
-                if created >= since:
-                    seen[child.pid] = created
-    except psutil.Error:
-        pass
-    time.sleep(interval)
-left = []
-for pid, created in seen.items():
-    try:
-        process = psutil.Process(pid)
-        if abs(process.create_time() - created) < 0.01:
-            left += [process, *process.children(recursive=True)]
-    except psutil.Error:
-        pass
-for process in left:
-    try:
-        process.terminate()
-    except psutil.Error:
-        pass
-_, alive = psutil.wait_procs(left, timeout=grace)
-for process in alive:
-    try:
-        process.kill()
-    except psutil.Error:
-        pass
-"""
+# The watchdog runs ``watchdog_main`` of this module with the gate's import path.
+_WATCHDOG = "import sys; from pytest_fp8gate.lifecycle import watchdog_main; watchdog_main(sys.argv[2:])"
 
 
 def watch(directory: Path) -> None:
@@ -144,11 +97,31 @@ def _start_watchdog(since: float) -> None:
     import psutil
 
     me = psutil.Process()
-    argv = [sys.executable, "-c", _WATCHDOG, WATCHDOG_MARK, str(me.pid), repr(me.create_time()),
-            repr(since), str(WATCH_INTERVAL_S), str(GRACE_S)]
+    argv = [sys.executable, "-c", _WATCHDOG, WATCHDOG_MARK, str(me.pid), repr(me.create_time()), repr(since)]
+    package_root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
     # No pipes of ours: a runner reading the gate's output must not wait for the watchdog's exit.
-    _watchdog = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    _watchdog = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env,
                                  stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+
+
+def watchdog_main(argv: list[str]) -> None:
+    """The watchdog (a process of its own): ``argv`` is the gate's pid, its create time, and the
+    earliest create time of what it stops. Polls the gate; once it is gone, stops what it spawned."""
+    import psutil
+
+    gate_pid, gate_created, since = int(argv[0]), float(argv[1]), float(argv[2])
+    me = os.getpid()
+    seen: dict[int, float] = {}
+    while _alive(gate_pid, gate_created) is not None:
+        try:
+            for child in psutil.Process(gate_pid).children(recursive=True):
+                if child.pid != me and child.pid not in seen and child.create_time() >= since:
+                    seen[child.pid] = child.create_time()
+        except psutil.Error:
+            pass
+        time.sleep(WATCH_INTERVAL_S)
+    _stop([Tracked("left by a gate that died", tuple(seen.items()))])
 
 
 def starting(label: str) -> set[int]:

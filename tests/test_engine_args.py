@@ -9,18 +9,9 @@ import pytest
 
 from pytest_fp8gate import engine_args
 from pytest_fp8gate.config import ConfigError, load_config
+from test_config import MINIMAL
 
-MODELS = """
-[baseline]
-name = "bf16"
-model = "org/base"
-
-[[candidates]]
-name = "fp8"
-quantization = "fp8_per_channel"
-
-[speed]
-"""
+MODELS = MINIMAL
 
 
 def error_of(tmp_path: Path, text: str) -> str:
