@@ -24,6 +24,11 @@ def _name(obj: Any) -> str:
     return cls.__name__
 
 
+def _enum(value: Any) -> str:
+    """An enum by its name (CompilationMode is an IntEnum: str() would give "0")."""
+    return str(getattr(value, "name", value))
+
+
 def _kernels(*owners: Any) -> list[str]:
     """Class names of the kernel objects a quantization method or scheme holds (one level deep)."""
     found = []
@@ -64,8 +69,8 @@ def fingerprint(llm: Any) -> dict[str, Any]:
     config = llm.llm_engine.vllm_config
     compilation = config.compilation_config
     found: dict[str, Any] = {
-        "compilation_mode": str(getattr(compilation, "mode", getattr(compilation, "level", None))),
-        "cudagraph_mode": str(getattr(compilation, "cudagraph_mode", None)),
+        "compilation_mode": _enum(getattr(compilation, "mode", getattr(compilation, "level", None))),
+        "cudagraph_mode": _enum(getattr(compilation, "cudagraph_mode", None)),
         "enforce_eager": bool(config.model_config.enforce_eager),
         "attention_backend_asked": str(getattr(getattr(config, "attention_config", None), "backend", None)),
     }
