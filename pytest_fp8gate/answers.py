@@ -107,6 +107,19 @@ def _index_by_question(
     return index
 
 
+def _same_doc_id_types(base: Sequence[AnswerRecord], cand: Sequence[AnswerRecord]) -> None:
+    """doc_id 0 and doc_id "0" are different keys: name the mismatch instead of a missing question."""
+    def kinds(records: Sequence[AnswerRecord]) -> dict[str, Hashable]:
+        return {type(record.doc_id).__name__: record.doc_id for record in records}
+
+    base_kinds, cand_kinds = kinds(base), kinds(cand)
+    if base_kinds.keys() != cand_kinds.keys():
+        def shown(found: dict[str, Hashable]) -> str:
+            return ", ".join(f"{name} (e.g. {example!r})" for name, example in sorted(found.items()))
+        raise ComparisonError(f"doc_id types differ: the baseline's are {shown(base_kinds)}, the candidate's "
+                              f"{shown(cand_kinds)}; the files were written by different tools or versions")
+
+
 def compare_answers(
     base: Sequence[AnswerRecord], cand: Sequence[AnswerRecord]
 ) -> AnswerComparison:
@@ -124,6 +137,7 @@ def compare_answers(
     cand_index = _index_by_question(cand, "candidate")
     if not base_index:
         raise ComparisonError("no answers to compare")
+    _same_doc_id_types(base, cand)
     for key in base_index:
         if key not in cand_index:
             raise ComparisonError(f"doc_id {key[0]!r} (filter {key[1]!r}) missing from candidate")

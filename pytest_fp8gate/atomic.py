@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_directory", "atomic_open", "atomic_write_bytes", "atomic_write_text"]
+__all__ = ["atomic_directory", "atomic_open", "atomic_write_bytes", "atomic_write_text", "fsync_directory"]
 
 
 def _umask() -> int:
@@ -49,10 +49,23 @@ def atomic_open(
             os.fsync(handle.fileno())
         os.chmod(temp, _FILE_MODE)
         os.replace(temp, target)
+        fsync_directory(directory)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
+
+
+def fsync_directory(directory: str | os.PathLike[str]) -> None:
+    """Flush a directory's entries, so that a rename into it survives a crash (the file's own
+    fsync does not cover the name). Filesystems that cannot fsync a directory are left as they are."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError:  # e.g. EINVAL on some network filesystems
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -82,6 +95,7 @@ def atomic_directory(dest: str | os.PathLike[str]) -> Iterator[Path]:
                 os.chmod(entry.path, _FILE_MODE)
         os.chmod(work, _DIR_MODE)
         work.rename(dest)
+        fsync_directory(dest.parent)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise

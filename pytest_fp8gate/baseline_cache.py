@@ -19,13 +19,14 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from . import provenance
-from .atomic import atomic_open, atomic_write_text
+from .atomic import atomic_open, atomic_write_text, fsync_directory
 from .dumps import read_logprob_dump
 from .engine import Latency
 from .errors import CacheEntryError
@@ -36,6 +37,10 @@ FORMAT = 1  # bump when the entry layout or the meaning of a stored number chang
 MANIFEST = "manifest.json"
 RECORD = "record.json"
 KEY = "key.json"
+# How long a run waits for another that measures the same baseline: longer than any baseline
+# measurement takes (an 8B model's tasks on one GPU: well under an hour), short of a CI job's limit.
+LOCK_WAIT_S = 2 * 3600.0
+LOCK_POLL_S = 0.5
 
 
 def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, Any],
@@ -48,7 +53,9 @@ def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, An
     return {
         "format": FORMAT,
         "model": _portable_model(model),
-        "engine": {"kwargs": config.baseline.engine, **engine_settings},
+        # An env table joins the key only when there is one, so that existing entries keep theirs.
+        "engine": {"kwargs": config.baseline.engine, **engine_settings,
+                   **({"env": dict(config.baseline.env)} if config.baseline.env else {})},
         "versions": environment["versions"],
         "devices": devices,
         "noise_passes": list(config.noise.passes),
@@ -102,13 +109,37 @@ def key_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]
     return sorted(name for name in a.keys() | b.keys() if a.get(name) != b.get(name))
 
 
+def _acquire(handle: Any, lock: Path, wait_s: float, announce: Callable[[str], None]) -> None:
+    """flock ``handle``, polling until ``wait_s`` has passed; then one error naming the holder's pid."""
+    deadline = time.monotonic() + wait_s
+    announced = False
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        if time.monotonic() >= deadline:
+            raise CacheEntryError(f"{lock}: still held after {wait_s:g} s by pid {holder}, a run measuring this "
+                                  f"baseline; if that process is stuck, stop it (kill {holder}) and run again")
+        if not announced:
+            announce(f"fp8gate: waiting for {lock.name} (held by pid {holder}): another run is measuring "
+                     f"this baseline; waiting up to {wait_s:g} s")
+            announced = True
+        time.sleep(LOCK_POLL_S)
+
+
 class BaselineCache:
     """``--fp8gate-baseline-cache DIR``: restores or measures and stores the baseline."""
 
-    def __init__(self, root: Path, update: bool, announce: Callable[[str], None]) -> None:
+    def __init__(self, root: Path, update: bool, announce: Callable[[str], None],
+                 lock_wait_s: float = LOCK_WAIT_S) -> None:
         self.root = root
         self.update = update
         self.announce = announce
+        self.lock_wait_s = lock_wait_s
 
     def entry_path(self, name: str, key: dict[str, Any]) -> Path:
         return self.root / f"{name}-{key_digest(key)[:16]}"
@@ -145,13 +176,14 @@ class BaselineCache:
 
     @contextlib.contextmanager
     def locked(self, entry: Path) -> Iterator[None]:
+        """Hold ``<entry>.lock``; wait at most ``lock_wait_s`` for a run that holds it (its pid is in the file)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(entry.with_name(entry.name + ".lock"), "a") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self.announce(f"fp8gate: waiting for {entry.name}.lock: another run is measuring this baseline")
-                fcntl.flock(handle, fcntl.LOCK_EX)
+        lock = entry.with_name(entry.name + ".lock")
+        with open(lock, "a+") as handle:
+            _acquire(handle, lock, self.lock_wait_s, self.announce)
+            handle.truncate(0)
+            handle.write(f"{os.getpid()}\n")  # for a run that waits: who holds it
+            handle.flush()
             try:
                 yield
             finally:
@@ -267,11 +299,7 @@ def _replace_dir(staging: Path, entry: Path) -> None:
         trash = entry.with_name(f".trash-{entry.name}-{uuid.uuid4().hex[:8]}")
         os.rename(entry, trash)
     os.rename(staging, entry)
-    directory = os.open(entry.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a crash
-    finally:
-        os.close(directory)
+    fsync_directory(entry.parent)  # the rename itself survives a crash
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
 

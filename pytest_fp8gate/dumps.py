@@ -153,6 +153,12 @@ def _read_article_json(path: PathLike) -> LogprobRun:
         real = top = np.empty(0, dtype=object)
     if real.dtype.kind not in "if" or top.dtype.kind != "i":
         raise DumpFormatError(path, f"{_ARTICLE_FORMAT}; {_first_bad_article_row(rows)}")
+    if not np.isfinite(real).all():
+        # JSON's -Infinity (probability 0) or NaN: every mean over positions would be inf or nan.
+        index = int(np.flatnonzero(~np.isfinite(real))[0])
+        raise DumpFormatError(path, f"{_ARTICLE_FORMAT} with finite log-probs; row {index} has real = "
+                                    f"{json.dumps(float(real[index]))}, which makes the perplexity and KL "
+                                    "undefined")
     try:
         return LogprobRun(
             real_logprob=real,

@@ -7,18 +7,20 @@ elsewhere); only one is resident at a time (see ``Engine.shutdown``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import statistics as stats
+import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
-from . import capabilities, lifecycle, provenance
+from . import capabilities, lifecycle, provenance, stack
 from .errors import IdScoringUnavailable, MeasurementError
 from .logprobs import LogprobRun
 from .spec import ModelSpec
@@ -151,8 +153,9 @@ class Engine:
         return int(self.llm.llm_engine.model_config.max_model_len)
 
     def facts(self) -> dict[str, Any]:
-        """What vLLM made of the settings it was given (read before ``shutdown``)."""
-        return provenance.engine_facts(self.llm)
+        """What vLLM made of the settings it was given, and what it selected to serve them
+        (the stack fingerprint; read before ``shutdown``)."""
+        return {**provenance.engine_facts(self.llm), "stack": stack.fingerprint(self.llm)}
 
     def encode(self, text: str, add_bos: bool) -> list[int]:
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -299,6 +302,33 @@ class Engine:
         gc.collect()
         cleanup_dist_env_and_memory()
         log.info("fp8gate: stopped engine for %s", self.spec.name)
+
+
+@contextlib.contextmanager
+def applied_env(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment from an engine's start to its shutdown, then the
+    environment as it was. A child-process engine core inherits it at its start; an in-process
+    one reads ``vllm.envs`` lazily, but caches every value once its core is up (``enable_envs_cache``),
+    so that cache is dropped on both sides: no engine sees another's values."""
+    saved = {name: os.environ.get(name) for name in env}
+    _drop_vllm_env_cache()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _drop_vllm_env_cache()
+
+
+def _drop_vllm_env_cache() -> None:
+    envs = sys.modules.get("vllm.envs")  # not imported: nothing cached
+    disable = getattr(envs, "disable_envs_cache", None)  # vLLM releases without the cache lack it
+    if disable is not None:
+        disable()
 
 
 def _flat_to_arrays(

@@ -8,6 +8,8 @@ recomputes the number from this run's artifacts.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -51,7 +53,8 @@ class Gate:
         rule = rules.BY_NAME.get(case.rule)
         if rule is None:
             raise GateError(f"unknown rule {case.rule!r}; expected one of {', '.join(rules.BY_NAME)}")
-        return self.probability(case) if rule.kind == "probability" else self._judges[rule.name](case)
+        verdict = self.probability(case) if rule.kind == "probability" else self._judges[rule.name](case)
+        return dataclasses.replace(verdict, served=self.measurements.candidate(case.candidate).served_otherwise)
 
     def _limit(self, key: str, value: Any) -> str:
         return f"{display_path(self.config.path)} {key} = {value:g}"
@@ -122,6 +125,7 @@ class Gate:
                 f"(tasks.limits.min_baseline_accuracy): the task cannot tell a broken build from a good one; "
                 "check the task, filter, metric and few-shot setup"
             )
+        _check_expected_accuracy(self.config.baseline.name, task, accuracy, len(base))
         return self.comparisons.answers(case.candidate, task)
 
     def accuracy(self, case: Case) -> Verdict:
@@ -201,6 +205,7 @@ class Gate:
                                                                                      ("baseline", base))}
         cand = rules.DecodeSpeed(result.latency.decode_tok_s, _ceiling(estimates["candidate"]))
         base_speed = rules.DecodeSpeed(base.latency.decode_tok_s, _ceiling(estimates["baseline"]))
+        _refuse_above_ceiling({result.spec.name: cand, base.spec.name: base_speed}, bandwidth)
         judge = rules.BY_NAME[rules.SPEED].judge
         assert judge is not None
         outcome = judge(cand, base_speed, rule=speed.rule, min_share_of_baseline=speed.min_share_of_baseline,
@@ -217,6 +222,8 @@ class Gate:
                  f"{speed.input_len} tokens, batch {speed.batch_size}",
                  f"KV-cache capacity: candidate {result.kv_cache_tokens} tokens, "
                  f"baseline {base.kv_cache_tokens} tokens"]
+        if result.bandwidth_warning:  # measuring found NVML disagreeing with the table's figure
+            notes.append(result.bandwidth_warning)
         details = {"latency": result.latency.as_dict(), "roofline": estimates["candidate"].as_dict(),
                    "baseline_roofline": estimates["baseline"].as_dict(),
                    "kv_cache_tokens": result.kv_cache_tokens, "baseline_kv_cache_tokens": base.kv_cache_tokens,
@@ -268,6 +275,35 @@ def _gpus(estimate: roofline.RooflineEstimate, bandwidth_gbps: float) -> float:
     """How many GPUs' bandwidth the estimate spans (tensor parallelism)."""
     assert estimate.bandwidth_gbps is not None  # a bandwidth was always given
     return estimate.bandwidth_gbps / bandwidth_gbps
+
+
+def _check_expected_accuracy(baseline: str, task: TaskSpec, accuracy: float, questions: int) -> None:
+    """A baseline far from what it should score means the harness or the baseline is broken, and a
+    paired comparison would pass vacuously on both."""
+    expected = task.limits.expected_accuracy
+    if expected is None:
+        return
+    k = task.limits.expected_accuracy_se
+    tolerance = k * math.sqrt(expected * (1 - expected) / questions)
+    if abs(accuracy - expected) > tolerance:
+        raise GateError(
+            f"baseline {baseline} scores {accuracy:.4f} on {task.name} ({questions} questions, filter "
+            f"{task.filter!r}, metric {task.metric!r}), but tasks.limits.expected_accuracy is {expected:g} "
+            f"± {k:g} SE ({tolerance:.4f}): the harness or the baseline is broken (prompt format, few-shot, "
+            "filter, metric, tokenizer or weights), so no comparison against it can be trusted")
+
+
+def _refuse_above_ceiling(speeds: Mapping[str, rules.DecodeSpeed], bandwidth: float) -> None:
+    """A decode faster than its bandwidth ceiling means the bytes per token or the bandwidth are wrong,
+    so no speed verdict can be read from them."""
+    for name, speed in speeds.items():
+        if speed.share > 1:
+            raise GateError(
+                f"speed: {name} decodes {speed.tok_s:.1f} tok/s, {speed.share:.2f} x its roofline ceiling of "
+                f"{speed.ceiling_tok_s:.1f} tok/s at {bandwidth:g} GB/s, which no GPU can do: the byte model "
+                "counts more bytes per token than the model reads (a MoE checkpoint counted with every expert "
+                "instead of the active ones, say) or the bandwidth figure is too low (speed.gpu, "
+                "speed.bandwidth_gbps); refusing a speed verdict from either")
 
 
 def _ceiling(estimate: roofline.RooflineEstimate) -> float:

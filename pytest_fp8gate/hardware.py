@@ -58,10 +58,17 @@ def resolve_gpu_name(name: str) -> str | None:
 
 
 def detected_bandwidth(gpu: str) -> tuple[str, float] | None:
-    """The GPU named by ``speed.gpu`` ("auto": the visible one) and its GB/s from the table, if listed."""
+    """The GPU named by ``speed.gpu`` ("auto": the visible one) and its GB/s from the table, else
+    (a visible GPU the table lacks) from NVML's memory clock x bus width."""
     name = resolve_gpu_name(gpu)
     entry = gpu_bandwidths.find_gpu(name) if name else None
-    return (entry.name, entry.bandwidth_gbps) if entry else None
+    if entry is not None:
+        return entry.name, entry.bandwidth_gbps
+    if name is not None and gpu == "auto":
+        gbps, how = nvml_bandwidth_gbps()
+        if gbps is not None:
+            return f"{name} ({how})", gbps
+    return None
 
 
 def cuda_free_memory_mib() -> list[int] | None:
@@ -134,3 +141,44 @@ def _torch_names() -> tuple[tuple[str, ...], str]:
         return tuple(torch.cuda.get_device_name(i) for i in range(count)), f"torch.cuda.device_count() = {count}"
     except RuntimeError as err:  # a broken driver or CUDA install: no usable device
         return (), f"torch.cuda failed: {err}"
+
+
+def nvml_bandwidth_gbps(index: int = 0) -> tuple[float | None, str]:
+    """Peak memory bandwidth of CUDA device ``index`` from NVML: max memory clock x bus width x 2
+    (double data rate) / 8, in decimal GB/s; None and why where NVML cannot say. Uses the NVML
+    binding vLLM vendors (``vllm.third_party.pynvml``), else ``pynvml``. ``index`` counts NVML's
+    devices, which follow CUDA_VISIBLE_DEVICES only where the first visible device is NVML's 0."""
+    try:
+        from vllm.third_party import pynvml
+    except ImportError:
+        try:
+            import pynvml  # type: ignore[no-redef,import-not-found,unused-ignore]
+        except ImportError:
+            return None, "no NVML binding (vllm.third_party.pynvml or pynvml)"
+    try:
+        pynvml.nvmlInit()
+    except Exception as err:  # no driver: pynvml raises its own NVMLError
+        return None, f"NVML unavailable: {err}"
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        clock_mhz = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM)
+        bus_bits = pynvml.nvmlDeviceGetMemoryBusWidth(handle)
+    except Exception as err:
+        return None, f"NVML could not read the memory clock or bus width: {err}"
+    finally:
+        pynvml.nvmlShutdown()
+    if not clock_mhz or not bus_bits:
+        return None, f"NVML reported memory clock {clock_mhz} MHz, bus width {bus_bits} bits"
+    return clock_mhz * 1e6 * 2 * bus_bits / 8 / 1e9, f"NVML: {clock_mhz} MHz x {bus_bits} bits x 2 / 8"
+
+
+NVML_DISAGREEMENT = 0.10  # share of the table's figure beyond which NVML's is reported next to it
+
+
+def nvml_disagreement(table_gbps: float, index: int = 0) -> str | None:
+    """A warning when NVML's bandwidth of the device differs from the table's by more than 10%."""
+    gbps, how = nvml_bandwidth_gbps(index)
+    if gbps is None or abs(gbps - table_gbps) <= NVML_DISAGREEMENT * table_gbps:
+        return None
+    return (f"WARNING: NVML gives {gbps:,.0f} GB/s for this device ({how}), {abs(gbps / table_gbps - 1):.0%} "
+            f"from the table's {table_gbps:,.0f} GB/s; set speed.bandwidth_gbps to the figure you trust")

@@ -7,7 +7,15 @@ every engine's processes are tracked from its start to its shutdown: on
 SIGTERM, SIGINT and at interpreter exit they are stopped, and then the signal
 takes its course (SIGTERM its default action, SIGINT Python's KeyboardInterrupt).
 
-SIGKILL cannot be caught, so while an engine is up its process ids are also in
+SIGKILL cannot be caught (it is what a CI runner sends when a job's timeout or
+cancel grace ends). So the first engine start also starts a watchdog: a small
+separate process, in a session of its own so that a signal to the gate's process
+group spares it, that polls the gate's pid and keeps a list of the processes the
+gate has spawned since; when the gate is gone it stops them and their children
+(SIGTERM, then SIGKILL after ``GRACE_S``) and exits. A process spawned in the last
+``WATCH_INTERVAL_S`` before the gate died is caught only through its parent.
+
+Should the watchdog die too, while an engine is up its process ids are also in
 ``PID_FILE`` under the artifacts directory; a later run with the same
 directory reports the processes a killed run left behind (``stale_engines``).
 """
@@ -18,7 +26,10 @@ import atexit
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +38,8 @@ from .atomic import atomic_write_text
 
 PID_FILE = "fp8gate-engines.json"
 GRACE_S = 5.0  # between SIGTERM and SIGKILL of an engine process
+WATCH_INTERVAL_S = 0.5  # how often the watchdog looks at the gate
+WATCHDOG_MARK = "fp8gate-watchdog"  # in the watchdog's command line
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Helpers the first engine happens to start but the whole process shares (an in-process engine's
 # torch compile pool too): the next engine would find them dead, and they exit with the process.
@@ -49,6 +62,10 @@ _starting: dict[str, set[int]] = {}
 _pid_dir: Path | None = None
 _previous_handlers: dict[int, Any] = {}
 _installed = False
+_watchdog: subprocess.Popen[bytes] | None = None
+
+# The watchdog runs ``watchdog_main`` of this module with the gate's import path.
+_WATCHDOG = "import sys; from pytest_fp8gate.lifecycle import watchdog_main; watchdog_main(sys.argv[2:])"
 
 
 def watch(directory: Path) -> None:
@@ -59,17 +76,60 @@ def watch(directory: Path) -> None:
 
 
 def child_pids() -> set[int]:
-    """This process's children, theirs included."""
-    import psutil  # a vLLM dependency; only needed once engines run
+    """This process's children, theirs included (the watchdog excepted)."""
+    import psutil  # a declared dependency; only needed once engines run
 
-    return {child.pid for child in psutil.Process().children(recursive=True)}
+    watchdog = _watchdog.pid if _watchdog is not None else None
+    return {child.pid for child in psutil.Process().children(recursive=True) if child.pid != watchdog}
+
+
+def watchdog_pid() -> int | None:
+    """The pid of this process's watchdog, once an engine start began it."""
+    return _watchdog.pid if _watchdog is not None and _watchdog.poll() is None else None
+
+
+def _start_watchdog(since: float) -> None:
+    """Once per process: the watchdog that stops what this process spawned from ``since`` (a create
+    time) on, should this process die without a word."""
+    global _watchdog
+    if _watchdog is not None:
+        return
+    import psutil
+
+    me = psutil.Process()
+    argv = [sys.executable, "-c", _WATCHDOG, WATCHDOG_MARK, str(me.pid), repr(me.create_time()), repr(since)]
+    package_root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    # No pipes of ours: a runner reading the gate's output must not wait for the watchdog's exit.
+    _watchdog = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env,
+                                 stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+
+
+def watchdog_main(argv: list[str]) -> None:
+    """The watchdog (a process of its own): ``argv`` is the gate's pid, its create time, and the
+    earliest create time of what it stops. Polls the gate; once it is gone, stops what it spawned."""
+    import psutil
+
+    gate_pid, gate_created, since = int(argv[0]), float(argv[1]), float(argv[2])
+    me = os.getpid()
+    seen: dict[int, float] = {}
+    while _alive(gate_pid, gate_created) is not None:
+        try:
+            for child in psutil.Process(gate_pid).children(recursive=True):
+                if child.pid != me and child.pid not in seen and child.create_time() >= since:
+                    seen[child.pid] = child.create_time()
+        except psutil.Error:
+            pass
+        time.sleep(WATCH_INTERVAL_S)
+    _stop([Tracked("left by a gate that died", tuple(seen.items()))])
 
 
 def starting(label: str) -> set[int]:
     """An engine is about to start: from now a signal also stops what its start spawns.
     Returns this process's children before the start, for ``track``."""
-    before = child_pids()
     with _lock:
+        _start_watchdog(time.time() - 1.0)  # a second early: create times are rounded
+        before = child_pids()
         _install_handlers()
         _starting[label] = before
     return before
@@ -85,6 +145,7 @@ def track(label: str, pids: set[int]) -> Tracked:
     """Stop these processes (an engine's, started since ``child_pids()`` was read) if the gate is stopped."""
     tracked = _tracked(label, pids)
     with _lock:
+        _start_watchdog(min((created for _, created in tracked.processes), default=time.time()) - 1.0)
         _install_handlers()
         _starting.pop(label, None)
         _live.append(tracked)

@@ -8,7 +8,7 @@ explicit BOS handling, and a batch layout that the noise pass can change.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,39 @@ def task_manager(tasks: Sequence[TaskSpec]) -> Any:
     # CPU; skip it when every task names the directory it lives in.
     builtin_needed = any(t.include_path is None for t in tasks)
     return TaskManager(include_path=paths or None, include_defaults=builtin_needed)
+
+
+def fewshot_problem(tasks: Sequence[TaskSpec], manager: Any) -> str | None:
+    """Why a task cannot draw its few-shot examples (num_fewshot above the examples it has), found
+    before any engine starts; lm-eval would otherwise fail every question with a sampling error."""
+    def leaves(name: str) -> Iterator[Any]:
+        if hasattr(manager, "load"):  # lm-eval's flat dict of leaf tasks
+            yield from manager.load([name])["tasks"].values()
+            return
+        from lm_eval.tasks import get_task_dict  # releases before TaskManager.load: nested by group
+
+        def walk(found: Any) -> Iterator[Any]:
+            for value in found.values():
+                yield from walk(value) if isinstance(value, dict) else (value,)
+        yield from walk(get_task_dict([name], manager))
+
+    for spec in tasks:
+        for task in leaves(spec.task):
+            if not hasattr(task, "fewshot_docs"):  # a group's own entry
+                continue
+            wanted = spec.num_fewshot if spec.num_fewshot is not None else task.config.num_fewshot or 0
+            if not wanted:
+                continue
+            pool = len(list(task.fewshot_docs() or ()))
+            # Without a few-shot split lm-eval draws from the test split, leaving out the question asked.
+            from_test = not (task.config.fewshot_split or task.has_training_docs() or task.has_validation_docs())
+            available = pool - 1 if from_test else pool
+            if wanted > available:
+                split = "test split (less the question asked)" if from_test else "few-shot split"
+                where = "num_fewshot" if spec.num_fewshot is not None else f"num_fewshot (the default of {spec.task})"
+                return (f"tasks {spec.name!r}: {where} = {wanted}, but the {split} of {task.config.task} has "
+                        f"{max(available, 0)} examples; lower num_fewshot to {max(available, 0)} or less")
+    return None
 
 
 def run_task(

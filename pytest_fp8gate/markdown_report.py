@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import plots, rules
+from . import plots, rules, stack
 from .answers import AnswerComparison, FlippedAnswer
 from .commands import compare_logprobs_command, flips_command
 from .comparisons import Comparisons, Recorded
@@ -275,6 +275,7 @@ def _provenance_lines(data: ReportData) -> list[str]:
                 for r in runs]
         lines += ["", *table(("engine", "started (UTC)", "ran", "startup", "vLLM seed", "settings that reached vLLM"),
                              rows)]
+        lines += _stack_lines(runs)
     seeds = p.get("lm_eval_seeds")
     if seeds:
         lines += ["", "lm-eval seeds: " + ", ".join(f"{k}={v}" for k, v in seeds.items())]
@@ -288,6 +289,16 @@ def _provenance_lines(data: ReportData) -> list[str]:
                      f"limit {task['limit']}, filter {task['filter']}, metric {task['metric']}, "
                      f"max_gen_toks {task['max_gen_toks']}")
     return lines + [""]
+
+
+def _stack_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """What vLLM selected for each engine (stack.py), and its env table where it had one."""
+    lines = ["", "What each engine ran (vLLM's selections):", ""]
+    for run in runs:
+        env = run.get("env")
+        shown = f" (env: {', '.join(f'{k}={v}' for k, v in sorted(env.items()))})" if env else ""
+        lines.append(f"- {run['label']}{shown}: {stack.summary(run.get('vllm', {}).get('stack'))}")
+    return lines
 
 
 def render(data: ReportData, plot_dir: Path | None, stem: str = "fp8gate") -> Rendered:

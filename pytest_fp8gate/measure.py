@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import capabilities as capabilities_mod
-from . import checkpoint, hardware, preflight, provenance
+from . import checkpoint, gpu_bandwidths, hardware, preflight, provenance
 from . import corpus as corpus_mod
+from . import stack as stack_mod
 from .atomic import atomic_write_text
 from .dumps import RUN_ID, write_logprob_dump
-from .engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine
+from .engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine, applied_env
 from .errors import Fp8GateError, IdScoringUnavailable, MeasurementError
 from .logprobs import LogprobRun
 from .record import NOISE_STRIDE, BaselineRecord, ModelResult, Needs, PassResult
@@ -119,6 +120,12 @@ class Measurements:
 
     @contextlib.contextmanager
     def _running(self, spec: ModelSpec, label: str, dtype: str | None = None) -> Iterator[Engine]:
+        """A started engine for ``spec`` with its ``env`` applied, shut down on leaving."""
+        with applied_env(spec.env), self._running_engine(spec, label, dtype) as engine:
+            yield engine
+
+    @contextlib.contextmanager
+    def _running_engine(self, spec: ModelSpec, label: str, dtype: str | None = None) -> Iterator[Engine]:
         """A started engine for ``spec``, shut down on leaving. Its start time, duration and
         settings are recorded, and free GPU memory before the start, while it runs and after
         the shutdown."""
@@ -139,6 +146,7 @@ class Measurements:
             self.engine_runs.append({"label": label, "name": spec.name, "started_at": started_at,
                                      "duration_s": round(time.perf_counter() - started, 3),
                                      "startup_s": round(engine.start_s, 3), "kwargs": engine.kwargs,
+                                     "env": dict(spec.env),
                                      "vllm": facts, "capabilities": engine.capabilities.as_dict(),
                                      "gpu_free_mib": memory})
             # Free MiB per visible GPU before start, while running, after shutdown (None: no GPU).
@@ -216,7 +224,7 @@ class Measurements:
         spec, needs = self.config.baseline, self._all_needs()
         # Only the probability and answer rules read a noise floor: a speed-only run starts no noise engine.
         passes = self.config.noise.passes if needs.probabilities or needs.tasks else ()
-        problem = preflight.hub_problem(self.config, self.needs)
+        problem = preflight.hub_problem(self.config, self.needs) or self._fewshot_problem(needs.tasks)
         if problem:
             raise MeasurementError(problem)
         with self._running(spec, spec.name) as engine:
@@ -242,6 +250,8 @@ class Measurements:
     def _measure_with(self, engine: Engine, spec: ModelSpec, needs: Needs) -> ModelResult:
         main = self._passes(engine, spec, needs, "main")
         result = ModelResult(spec, main, engine.start_s, engine.kv_cache_tokens(), engine.vocab_size)
+        stack = engine.facts().get("stack")
+        result.served_otherwise = stack_mod.served_otherwise(stack) if stack else None
         if needs.speed and self.config.speed is not None:
             s = self.config.speed
             result.latency = engine.latency(s.input_len, s.output_len, s.batch_size, s.warmup_iters, s.iters)
@@ -256,6 +266,8 @@ class Measurements:
         # A configured bandwidth is judged as given; otherwise the GPU's figure, if the table lists it.
         result.memory_bandwidth = None if speed.bandwidth_gbps > 0 else hardware.detected_bandwidth(speed.gpu)
         result.weights = checkpoint.weights_dir(result.spec.model)
+        if result.memory_bandwidth is not None and gpu_bandwidths.find_gpu(result.memory_bandwidth[0]):
+            result.bandwidth_warning = hardware.nvml_disagreement(result.memory_bandwidth[1])  # does NVML agree?
 
     def _passes(
         self, engine: Engine, spec: ModelSpec, needs: Needs, label: str, layout: BatchLayout = ALL_AT_ONCE
@@ -302,12 +314,24 @@ class Measurements:
             return run
         return dataclasses.replace(run, logprobs_on_base_ids=on_base_ids)
 
-    def _run_task(self, engine: Engine, task: TaskSpec, directory: Path, layout: BatchLayout) -> Path:
+    def _tasks(self) -> Any:
+        """lm-eval's task manager, built once: indexing task files is slow."""
         from . import lm_adapter  # lm-eval loads only when a task runs, not with the plugin
 
-        if self._task_manager is None:  # built once: indexing task files is slow
+        if self._task_manager is None:
             self._task_manager = lm_adapter.task_manager(self.config.tasks)
-        return lm_adapter.run_task(engine, task, directory, self._task_manager, self.run_id, layout)
+        return self._task_manager
+
+    def _fewshot_problem(self, names: frozenset[str]) -> str | None:
+        from . import lm_adapter
+
+        tasks = [task for task in self.config.tasks if task.name in names]
+        return lm_adapter.fewshot_problem(tasks, self._tasks()) if tasks else None
+
+    def _run_task(self, engine: Engine, task: TaskSpec, directory: Path, layout: BatchLayout) -> Path:
+        from . import lm_adapter
+
+        return lm_adapter.run_task(engine, task, directory, self._tasks(), self.run_id, layout)
 
     def _pass_provenance(self, spec: ModelSpec, engine: Engine) -> dict[str, Any]:
         return {"environment": provenance.environment(), "model": self.fingerprint(spec),

@@ -71,6 +71,10 @@ class ModelResult:
     # sets the bandwidth, or the table lacks the device) and the checkpoint directory the engine loaded.
     memory_bandwidth: tuple[str, float] | None = None
     weights: Path | None = None
+    bandwidth_warning: str | None = None  # NVML disagrees with the table's figure by more than 10%
+    # How the engine served the model when that is not what its name says (FP8 layers through a
+    # weight-only kernel), from its engine's stack fingerprint.
+    served_otherwise: str | None = None
 
 
 @dataclass

@@ -21,6 +21,9 @@ class ModelSpec:
     quantization: str | None  # vLLM quantization name; None: as the checkpoint says
     # Effective vllm.LLM keyword arguments: a candidate's table merged over the baseline's.
     engine: dict[str, Any] = field(hash=False)
+    # Environment of this model's engines only (set from its start to its shutdown); a candidate's
+    # table merged over the baseline's, like ``engine``.
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for vllm.LLM (a fresh dict each call)."""
@@ -94,6 +97,10 @@ class TaskLimits:
     flip_alpha: float = 0.05  # the binomial rule's one-sided test level
     # The baseline must score above this, or the task cannot tell a broken build from a good one.
     min_baseline_accuracy: float = 0.05
+    # What the baseline should score on this task (a published or earlier figure on this stack), and how
+    # many SEs (sqrt(p(1-p)/n) at that figure) it may miss it by before the harness is called broken.
+    expected_accuracy: float | None = None
+    expected_accuracy_se: float = 3.0
 
 
 @dataclass(frozen=True)

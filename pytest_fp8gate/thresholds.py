@@ -13,10 +13,10 @@ import re
 import sys
 from dataclasses import MISSING, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, TypeVar
 
-from . import checkpoint, gpu_bandwidths, roofline
-from .errors import CheckpointError, ConfigError, RooflineError
+from . import checkpoint, engine_args, gpu_bandwidths, roofline
+from .errors import CheckpointError, ConfigError, RooflineError, UnsupportedEngine
 from .rules import FLIP_RULES, RULES, SPEED_RULES
 from .spec import (
     NOISE_PASSES,
@@ -70,6 +70,7 @@ class _Invalid(Exception):
 
 
 _Check = Callable[[Any], Any]
+_Names = TypeVar("_Names", bound=Collection[str])
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
 
@@ -90,6 +91,11 @@ def _show(value: Any) -> str:
 def _closest(word: str, choices: Collection[str]) -> str | None:
     close = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=0.6)
     return close[0] if close else None
+
+
+def _known(word: str, names: Collection[str], otherwise: str) -> str:
+    closest = _closest(word, names)
+    return f"did you mean {closest!r}?" if closest else otherwise
 
 
 def _suggest_key(key: str, keys: Collection[str]) -> str:
@@ -192,29 +198,33 @@ def _passes(value: Any) -> list[str]:
     return passes
 
 
-_ENGINE: dict[str, _Check] = {
+# Engine keys whose values the gate checks more strictly than their vLLM type (ranges, names), all
+# EngineArgs fields in every supported vLLM release: a table of only these needs no vLLM import
+# (seconds, torch included). Every other key is checked against the installed vLLM's EngineArgs.
+_ENGINE_RANGES: dict[str, _Check] = {
     "tensor_parallel_size": _integer(1),
     "pipeline_parallel_size": _integer(1),
     "data_parallel_size": _integer(1),
     "max_model_len": _integer(1),
     "gpu_memory_utilization": _number(0, 1, low_open=True),
     "kv_cache_dtype": _vllm_name("kv_cache_dtype", KV_CACHE_DTYPES),
-    "enforce_eager": _boolean,
     "max_num_seqs": _integer(1),
     "max_num_batched_tokens": _integer(1),
-    "dtype": _text(("auto", "half", "float16", "bfloat16", "float", "float32")),
     "seed": _integer(0),
-    "trust_remote_code": _boolean,
     "revision": _text(),
     "tokenizer": _text(),
-    "distributed_executor_backend": _text(("mp", "ray", "uni", "external_launcher")),
-    "swap_space": _number(0),
-    "cpu_offload_gb": _number(0),
     "block_size": _integer(1),
-    "enable_prefix_caching": _boolean,
     "kv_cache_memory_bytes": _integer(1),
+    "enforce_eager": _boolean,
+    "trust_remote_code": _boolean,
+    "enable_prefix_caching": _boolean,
+    "dtype": _text(("auto", "half", "float16", "bfloat16", "float", "float32")),
+    "distributed_executor_backend": _text(("mp", "ray", "uni", "external_launcher")),
 }
-_MODEL_KEYS = ("name", "model", "quantization", "engine")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Set by the gate itself for the whole process (deterministic_scheduling), not per engine.
+_GATE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "set by the gate from deterministic_scheduling"}
+_MODEL_KEYS = ("name", "model", "quantization", "engine", "env")
 _FRACTION = _number(0, 1)
 _POSITIVE_FRACTION = _number(0, 1, low_open=True)
 _RATIO = _number(1)  # a limit relative to BF16 or to the noise floor is never below 1
@@ -271,6 +281,8 @@ _TASK_LIMIT_CHECKS = {
     "flip_rule": _text(FLIP_RULES),
     "flip_alpha": _number(0, 0.5, low_open=True),
     "min_baseline_accuracy": _FRACTION,
+    "expected_accuracy": _FRACTION,
+    "expected_accuracy_se": _number(0, low_open=True),
 }
 _SPEED_CHECKS = {
     "input_len": _integer(1),
@@ -387,8 +399,10 @@ class _Parser:
         model = self.model_ref(table.key("model"), model)
         quantization = table.get("quantization", _vllm_name("quantization method", QUANTIZATION_METHODS,
                                                             allow_empty=True), "") or None
-        engine = self.engine(table.table("engine", _ENGINE))
-        spec = ModelSpec(name, model, quantization, {**(baseline.engine if baseline else {}), **engine})
+        engine = self.engine(table.key("engine"), table.raw.get("engine", {}))
+        env = self.env(table.key("env"), table.raw.get("env", {}))
+        spec = ModelSpec(name, model, quantization, {**(baseline.engine if baseline else {}), **engine},
+                         {**(baseline.env if baseline else {}), **env})
         if baseline is not None and spec == replace(baseline, name=name):
             raise self.error(table.where, "same model, quantization and engine as the baseline; it would gate nothing")
         self.check_local_model(table.key("model"), model, baseline)
@@ -410,11 +424,57 @@ class _Parser:
             raise self.error(where, f"vocabulary of {mine} tokens (config.json vocab_size) differs from the "
                                     f"baseline's {base}; the gate compares the two token by token")
 
-    def engine(self, table: _Table) -> dict[str, Any]:
-        engine = {key: table.get(key, check) for key, check in _ENGINE.items() if key in table.raw}
+    def engine(self, where: str, raw: Any) -> dict[str, Any]:
+        """An engine table, every key an EngineArgs field of the installed vLLM."""
+        table = _Table(self, where, raw, raw if isinstance(raw, dict) else ())
+        engine = {}
+        for key, value in table.raw.items():
+            refused = engine_args.refusal(key, value)
+            if refused:
+                raise self.error(table.key(key), refused)
+            if key in _ENGINE_RANGES:
+                engine[key] = table.get(key, _ENGINE_RANGES[key])
+                continue
+            fields_ = self.vllm_names(table.key(key), engine_args.engine_fields, "the key against vLLM's EngineArgs")
+            if key not in fields_:
+                raise self.error(table.key(key), "unknown key; " + _known(
+                    key, fields_, "not a field of the installed vLLM's EngineArgs"))
+            wrong = engine_args.mismatch(fields_[key], value)
+            if wrong:
+                choices = engine_args.string_choices(fields_[key])
+                close = _closest(value, choices) if isinstance(value, str) else None
+                hint = f"; did you mean {close!r}?" if close else ""
+                raise self.error(table.key(key), f"expected {wrong}, got {_show(value)}{hint}")
+            engine[key] = engine_args.as_engine_value(fields_[key], value)
         if "tokenizer" in engine:
             engine["tokenizer"] = self.model_ref(table.key("tokenizer"), engine["tokenizer"])
         return engine
+
+    def env(self, where: str, raw: Any) -> dict[str, str]:
+        """Environment variables for one model's engine: names, and string values."""
+        table = _Table(self, where, raw, raw if isinstance(raw, dict) else ())
+        for name, value in table.raw.items():
+            if not _ENV_NAME.fullmatch(name):
+                raise self.error(table.key(name), "expected an environment variable name (letters, digits and "
+                                                  "'_', not starting with a digit)")
+            if name in _GATE_ENV:
+                raise self.error(table.key(name), f"refused: {_GATE_ENV[name]}")
+            if not isinstance(value, str):
+                raise self.error(table.key(name), f'expected a string (environment values are text: "1", not 1), '
+                                                  f"got {_show(value)}")
+        for name in (name for name in table.raw if name.startswith("VLLM_")):
+            known = self.vllm_names(table.key(name), engine_args.vllm_env_names, "the name against vllm.envs")
+            if name not in known:
+                raise self.error(table.key(name), "unknown vLLM environment variable; " + _known(
+                    name, known, "not one of the installed vLLM's vllm.envs"))
+        return dict(table.raw)
+
+    def vllm_names(self, where: str, read: Callable[[], _Names], what: str) -> _Names:
+        """Names the installed vLLM knows (``read``), or one error when vLLM cannot say."""
+        try:
+            return read()
+        except UnsupportedEngine as err:
+            raise self.error(where, f"cannot check {what}: {err}") from None
 
     def model_ref(self, where: str, value: str) -> str:
         """A Hugging Face id, or a local path resolved against the TOML's directory."""

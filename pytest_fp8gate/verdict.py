@@ -30,6 +30,7 @@ class Verdict:
     examples: tuple[str, ...] = ()
     limit: str | None = None  # where the limit is set: "thresholds.toml probabilities.limits.max_mean_kl = 0.01"
     recompute: str | None = None  # the fp8gate command that recomputes the measured number from the artifacts
+    served: str | None = None  # how the engine served the candidate, when not as named (stack.served_otherwise)
 
     @property
     def passed(self) -> bool:
@@ -38,7 +39,8 @@ class Verdict:
     def explain(self) -> str:
         state = "passed" if self.passed else "FAILED"
         subject = f" on {self.case.task}" if self.case.task else ""
-        lines = [f"{self.outcome.rule} {state} for candidate {self.case.candidate}{subject}"]
+        served = f" ({self.served})" if self.served else ""
+        lines = [f"{self.outcome.rule} {state} for candidate {self.case.candidate}{subject}{served}"]
         width = max(len(label) for label, _ in self.outcome.rows)
         lines += [f"  {label:<{width}}  {number(value)}" for label, value in self.outcome.rows]
         lines += [f"  note: {note}" for note in self.notes]
@@ -54,7 +56,7 @@ class Verdict:
     def as_dict(self) -> dict[str, Any]:
         return {"candidate": self.case.candidate, "task": self.case.task, **self.outcome.as_dict(),
                 "notes": list(self.notes), "details": self.details, "limit_key": self.limit,
-                "recompute": self.recompute}
+                "recompute": self.recompute, "served": self.served}
 
 
 def number(value: float) -> str:

@@ -26,6 +26,7 @@ baseline through the cache, measuring slowly on a miss, and writes whether it me
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import sys
@@ -134,6 +135,9 @@ class FakeEngine(Engine):
     sampling_fields: ClassVar[tuple[str, ...]] = FIELDS_0_33
     id_scoring_refusal: ClassVar[str | None] = None  # the engine refuses scoring given ids at run time
     calls: ClassVar[list[tuple[Any, ...]]] = []
+    stacks: ClassVar[dict[str, dict[str, Any]]] = {}  # a stack fingerprint by spec name (facts()["stack"])
+    # (event, spec name, this process's FP8GATE_TEST_* variables) at each start and shutdown
+    environments: ClassVar[list[tuple[str, str, dict[str, str]]]] = []
 
     @classmethod
     def prepare_process(cls, in_process: bool) -> None:
@@ -144,6 +148,7 @@ class FakeEngine(Engine):
         self.capabilities = capabilities.detect(self.vllm_version, self.sampling_fields)
         self.model = self.models.get(spec.name, FakeModel())
         self.calls.append(("start", spec.name, dtype))
+        self.environments.append(("start", spec.name, _test_env()))
         if self.model.fail_start:
             raise RuntimeError(self.model.fail_start)
         self.spec = spec
@@ -167,8 +172,9 @@ class FakeEngine(Engine):
         return int(self.spec.engine.get("max_model_len", 2048))
 
     def facts(self) -> dict[str, Any]:
+        stack = self.stacks.get(self.spec.name)
         return {"seed": "0", "dtype": str(self._dtype or self.spec.engine.get("dtype", "auto")),
-                "quantization": str(self.spec.quantization)}
+                "quantization": str(self.spec.quantization), **({"stack": stack} if stack else {})}
 
     # ---- probabilities -----------------------------------------------------
 
@@ -242,12 +248,18 @@ class FakeEngine(Engine):
 
     def shutdown(self) -> None:
         self.calls.append(("shutdown", self.spec.name))
+        self.environments.append(("shutdown", self.spec.name, _test_env()))
+
+
+def _test_env() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name.startswith("FP8GATE_TEST_")}
 
 
 def fake_engine_class(models: dict[str, FakeModel] | None = None, **settings: Any) -> type[FakeEngine]:
     """A FakeEngine subclass over ``models`` with its own call log; ``settings`` override its class
     attributes (``vllm_version``, ``sampling_fields``, ``id_scoring_refusal``)."""
-    return type("FakeEngine", (FakeEngine,), {"models": dict(models or {}), "calls": [], **settings})
+    return type("FakeEngine", (FakeEngine,), {"models": dict(models or {}), "calls": [], "environments": [],
+                                              **settings})
 
 
 # The baseline, both noise passes and the corpus: the head of every fake gate's thresholds.

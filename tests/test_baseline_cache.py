@@ -244,3 +244,30 @@ def test_the_key_names_the_visible_gpus(gate: Path, tmp_path: Path, fake_gpus, m
         keys.append(baseline_key(measurements.config, NEEDS, settings, model))
     assert keys[0]["devices"] == {"kind": "cuda", "gpus": ["NVIDIA H100 80GB HBM3"], "driver": "580.65"}
     assert len({json.dumps(key, sort_keys=True) for key in keys}) == 3  # the count and the name both count
+
+
+def test_a_lock_held_by_a_stuck_process_times_out_naming_it(tmp_path: Path):
+    from pytest_fp8gate.baseline_cache import BaselineCache
+
+    cache = BaselineCache(tmp_path / "cache", update=False, announce=lambda line: None, lock_wait_s=1.0)
+    entry = tmp_path / "cache" / "bf16-0123456789abcdef"
+    (tmp_path / "cache").mkdir()
+    # A run that took the lock the way BaselineCache does, then hung.
+    holder_code = ("import fcntl, os, sys, time\n"
+                   "handle = open(sys.argv[1], 'a+'); fcntl.flock(handle, fcntl.LOCK_EX)\n"
+                   "handle.truncate(0); handle.write(f'{os.getpid()}\\n'); handle.flush()\n"
+                   "print('held', flush=True); time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", holder_code, str(entry) + ".lock"], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(CacheEntryError) as info:
+            with cache.locked(entry):
+                pytest.fail("took a lock another process holds")
+        assert str(info.value) == (f"{entry}.lock: still held after 1 s by pid {holder.pid}, a run measuring this "
+                                   f"baseline; if that process is stuck, stop it (kill {holder.pid}) and run again")
+    finally:
+        holder.kill()
+        holder.wait()
+    with cache.locked(entry):  # free again once the holder is gone
+        assert (tmp_path / "cache" / (entry.name + ".lock")).read_text() == f"{os.getpid()}\n"

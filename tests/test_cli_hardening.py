@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,31 @@ def test_roofline_of_a_valid_config_still_works(tmp_path: Path, capsys) -> None:
     config.write_text(json.dumps(LLAMA_LIKE))
     assert cli.main(["roofline", str(config), "--bandwidth-gbps", "100", "--json"]) == 0
     assert _strict_loads(capsys.readouterr().out)["ceiling_tok_s"] > 0
+
+
+def test_compare_logprobs_refuses_an_infinite_logprob_once(tmp_path: Path, capsys) -> None:
+    base, cand = tmp_path / "base.json", tmp_path / "cand.json"
+    base.write_text(json.dumps([{"real": -0.5, "top": 1}, {"real": -0.7, "top": 2}]))
+    cand.write_text('[{"real": -0.5, "top": 1}, {"real": -Infinity, "top": 2}]')  # what json.dump writes for -inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy RuntimeWarning on the way to the refusal
+        status = cli.main(["compare-logprobs", str(base), str(cand)])
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == ""
+    assert captured.err == (f"fp8gate: error: {cand}: a JSON list of {{\"real\": <float>, \"top\": <int>}} objects "
+                            "with finite log-probs; row 1 has real = -Infinity, which makes the perplexity and KL "
+                            "undefined\n")
+
+
+def test_flips_names_a_doc_id_type_mismatch(tmp_path: Path, capsys) -> None:
+    def rows(ids: list) -> str:
+        return "".join(json.dumps({"doc_id": i, "filter": "strict-match", "exact_match": 1,
+                                   "metrics": ["exact_match"]}) + "\n" for i in ids)
+
+    base, cand = tmp_path / "base.jsonl", tmp_path / "cand.jsonl"
+    base.write_text(rows([0, 1, 2]))
+    cand.write_text(rows(["0", "1", "2"]))
+    assert cli.main(["flips", str(base), str(cand)]) == 2
+    assert capsys.readouterr().err == (
+        f"fp8gate: error: {cand}: doc_id types differ: the baseline's are int (e.g. 2), the candidate's str "
+        f"(e.g. '2'); the files were written by different tools or versions (baseline {base})\n")

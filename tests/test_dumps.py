@@ -238,3 +238,23 @@ def test_npz_metadata_that_is_not_a_json_object(tmp_path):
     np.savez(path, real_logprob=np.zeros(1), metadata=np.array("[1, 2]"))
     with pytest.raises(DumpFormatError, match="odd.npz: metadata as a JSON object string"):
         read_logprob_metadata(path)
+
+
+def test_atomic_writes_fsync_the_directory_after_the_rename(tmp_path, monkeypatch):
+    import os
+
+    from pytest_fp8gate import atomic
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b))[1])
+    atomic.atomic_write_text(tmp_path / "a.txt", "x")
+    # The file's data first, then its name: the directory entry is flushed after the rename.
+    assert [kind for kind, _ in events] == ["fsync", "replace", "fsync"]
+    assert events[1:] == [("replace", str(tmp_path / "a.txt")), ("fsync", str(tmp_path))]
+    events.clear()
+    with atomic.atomic_directory(tmp_path / "d") as work:
+        (work / "f").write_text("y")
+    assert events[-1] == ("fsync", str(tmp_path))

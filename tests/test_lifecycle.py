@@ -1,4 +1,5 @@
-"""Engines die with the gate: SIGTERM, SIGINT and exit stop them; a SIGKILLed gate's are reported.
+"""Engines die with the gate: SIGTERM, SIGINT and exit stop them, the watchdog stops a SIGKILLed
+gate's, and what a gate left behind when its watchdog died too is reported.
 
 A plain child process (with a grandchild, as an engine core has workers) stands
 in for an engine core, tracked the way ``Engine.__init__`` tracks a real one.
@@ -120,9 +121,42 @@ def test_exit_without_shutdown_stops_the_engine_processes(tmp_path: Path) -> Non
         _kill(pids)
 
 
+def _watchdog_of(gate: subprocess.Popen) -> psutil.Process:
+    (watchdog,) = [child for child in psutil.Process(gate.pid).children()
+                   if lifecycle.WATCHDOG_MARK in child.cmdline()]
+    return watchdog
+
+
+@pytest.mark.parametrize("mode", ["wait", "starting"])
+def test_sigkill_of_the_gate_leaves_no_engine_process(tmp_path: Path, mode: str) -> None:
+    gate, pids = _start(tmp_path, mode)
+    try:
+        assert len(pids) == 2 and _running(pids) == pids
+        watchdog = _watchdog_of(gate)
+        time.sleep(2 * lifecycle.WATCH_INTERVAL_S)  # it has seen the stand-in engine
+        gate.kill()  # nothing of the gate's own runs after this
+        gate.wait(timeout=20)
+        assert _gone_within(pids, 20), f"engine processes left 20 s after SIGKILL: {_running(pids)}"
+        assert _gone_within([watchdog.pid], 5), "the watchdog outlived its work"
+    finally:
+        _kill(pids)
+
+
+def test_the_watchdog_leaves_a_gate_that_exits_normally(tmp_path: Path) -> None:
+    gate, pids = _start(tmp_path, "wait")
+    try:
+        watchdog = _watchdog_of(gate)
+        gate.terminate()
+        gate.wait(timeout=20)
+        assert _gone_within([watchdog.pid], 5)
+    finally:
+        _kill(pids)
+
+
 def test_after_sigkill_the_next_run_reports_what_was_left(tmp_path: Path, pytester: pytest.Pytester) -> None:
     gate, pids = _start(tmp_path, "wait")
     try:
+        _watchdog_of(gate).kill()  # the watchdog died first (an OOM kill, say): nothing stops the engine
         gate.kill()
         gate.wait(timeout=20)
         assert sorted(pid for pid, _ in lifecycle.stale_engines(tmp_path)) == sorted(pids)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -197,3 +198,14 @@ def test_a_report_that_cannot_be_written_warns_and_keeps_the_exit_status(pyteste
     result = pytester.runpytest("--fp8gate-report", "blocked/gate.md")
     assert result.ret == pytest.ExitCode.OK
     result.stdout.fnmatch_lines(["fp8gate: the markdown report was not written: FileExistsError: *blocked*"])
+
+
+def test_the_report_says_what_each_engine_ran(data: ReportData):
+    stack = {"model_runner": "vllm.v1.worker.gpu.model_runner.GPUModelRunner", "attention_backends": ["FLASH_ATTN"],
+             "compilation_mode": "CompilationMode.VLLM_COMPILE", "cudagraph_mode": "CUDAGraphMode.FULL_AND_PIECEWISE",
+             "linear_layers": {"Fp8LinearMethod [CutlassFP8ScaledMMLinearKernel]": 4}}
+    runs = [dict(data.provenance["engine_runs"][0], vllm={"stack": stack}, env={"VLLM_X": "1"})]
+    text = render(dataclasses.replace(data, provenance=dict(data.provenance, engine_runs=runs)), None).markdown
+    assert ("- bf16 (env: VLLM_X=1): runner GPUModelRunner; attention FLASH_ATTN; compile "
+            "CompilationMode.VLLM_COMPILE; CUDA graphs CUDAGraphMode.FULL_AND_PIECEWISE; "
+            "4 x Fp8LinearMethod [CutlassFP8ScaledMMLinearKernel]") in text

@@ -10,7 +10,7 @@ import pytest
 
 from fakes import FIELDS_0_33, MODELS, FakeModel, fake_engine_class, write_gate
 from pytest_fp8gate.engine import ALL_AT_ONCE, IN_PROCESS_ENV, BatchLayout, Engine
-from pytest_fp8gate.errors import MeasurementError
+from pytest_fp8gate.errors import GateError, MeasurementError
 from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.logprobs import TOPK_KL
 from pytest_fp8gate.measure import BATCH_ORDER, Measurements
@@ -81,6 +81,66 @@ def test_each_engine_starts_once_and_measures_what_its_own_rules_need(tmp_path: 
     assert bad.main.logprobs is None and set(bad.main.samples) == {"echo"} and bad.latency is not None
     assert set(found.noise()) == {"batch-order", "fp16"}
     assert all(run.logprobs is not None and "echo" in run.samples for run in found.noise().values())
+
+
+def test_an_env_value_reaches_only_its_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("FP8GATE_TEST_SHARED", "outer")
+    good_table = 'name = "good"\nquantization = "fp8_per_channel"\n'
+    env = '[candidates.env]\nFP8GATE_TEST_ONLY = "good"\nFP8GATE_TEST_SHARED = "inner"\n'
+
+    def edit(text: str) -> str:
+        return text.replace(good_table, good_table + env)
+
+    found = measurements(tmp_path, {"good": PROBABILITIES, "bad": PROBABILITIES}, edit)
+    found.candidate("good"), found.candidate("bad")
+    seen = found.engine_class.environments  # type: ignore[attr-defined]
+    good = {"FP8GATE_TEST_ONLY": "good", "FP8GATE_TEST_SHARED": "inner"}
+    assert [(event, name, env) for event, name, env in seen if name == "good"] == [
+        ("start", "good", good), ("shutdown", "good", good)]
+    assert all(env == {"FP8GATE_TEST_SHARED": "outer"} for _, name, env in seen if name != "good")
+    assert os.environ["FP8GATE_TEST_SHARED"] == "outer" and "FP8GATE_TEST_ONLY" not in os.environ
+    # On record with the engine run it shaped.
+    assert [run["env"] for run in found.engine_runs if run["name"] == "good"] == [good]
+    assert found.provenance(found.config.candidates[0])["engine_runs"][0]["env"] == good
+
+
+@pytest.mark.parametrize("fewshot, message", [
+    (40, "tasks 'echo': num_fewshot = 40, but the test split (less the question asked) of fp8gate_fake_echo has 39 "
+         "examples; lower num_fewshot to 39 or less"),
+    (39, None),
+])
+def test_num_fewshot_beyond_the_examples_is_refused_before_any_engine(tmp_path: Path, fewshot: int, message):
+    def edit(text: str) -> str:
+        return text.replace('task = "fp8gate_fake_echo"\n', f'task = "fp8gate_fake_echo"\nnum_fewshot = {fewshot}\n')
+
+    found = measurements(tmp_path, {"good": Needs(tasks=frozenset({"echo"}))}, edit, task=True)
+    if message is None:
+        found.candidate("good")
+        assert calls(found, "start")
+        return
+    with pytest.raises(MeasurementError, match="num_fewshot") as info:
+        found.candidate("good")
+    assert str(info.value) == f"measuring bf16: {message}"
+    assert calls(found, "start") == []
+
+
+MARLIN_STACK = {"model_runner": "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
+                "attention_backends": ["FLASH_ATTN"], "compilation_mode": "3", "cudagraph_mode": "FULL_AND_PIECEWISE",
+                "linear_layers": {"Fp8LinearMethod [MarlinFP8ScaledMMLinearKernel]": 6,
+                                  "UnquantizedLinearMethod": 1}}
+CUTLASS_STACK = dict(MARLIN_STACK, linear_layers={"Fp8LinearMethod [CutlassFP8ScaledMMLinearKernel]": 6})
+
+
+def test_a_candidate_served_weight_only_says_so_in_the_verdicts_first_line(tmp_path: Path):
+    found = measurements(tmp_path, {"good": PROBABILITIES, "bad": PROBABILITIES},
+                         stacks={"good": MARLIN_STACK, "bad": CUTLASS_STACK})
+    gate = Gate(found.config, found)
+    first = gate.evaluate(Case("mean_kl", "good")).explain().splitlines()[0]
+    assert first.startswith("mean_kl ") and first.endswith(
+        "for candidate good (served weight-only: 6 of 7 linear layers through Fp8LinearMethod "
+        "[MarlinFP8ScaledMMLinearKernel], so the activations were not FP8)")
+    assert "served" not in gate.evaluate(Case("mean_kl", "bad")).explain().splitlines()[0]  # W8A8 as named
+    assert gate.evaluate(Case("mean_kl", "good")).as_dict()["served"].startswith("served weight-only")
 
 
 def test_a_failed_measurement_is_reraised_to_every_later_rule_and_never_retried(tmp_path: Path):
@@ -256,3 +316,26 @@ def test_the_in_process_setting_after_an_engine_started_is_refused(vllm_env: pyt
         "deterministic_scheduling: 1 engine(s) already started in this process with their cores in child "
         f"processes, and vLLM reads {IN_PROCESS_ENV} only once; run the gate in a fresh process")
     assert os.environ[IN_PROCESS_ENV] == "1"
+
+
+def test_a_baseline_far_from_its_expected_accuracy_fails_with_the_harness_message(tmp_path: Path):
+    case = Case("accuracy", "good", "echo")
+    measured = Gate(*_gate_parts(tmp_path / "a", "")).answer_comparison(case)[0].accuracy_base
+    wrong = round(measured - 0.3, 4)  # 3 SE at 40 questions is at most 0.24
+    gate = Gate(*_gate_parts(tmp_path / "b", f"expected_accuracy = {wrong}\n"))
+    with pytest.raises(GateError) as info:
+        gate.evaluate(case)
+    assert str(info.value) == (
+        f"baseline bf16 scores {measured:.4f} on echo (40 questions, filter 'strict-match', metric 'exact_match'), "
+        f"but tasks.limits.expected_accuracy is {wrong:g} ± 3 SE ({3 * (wrong * (1 - wrong) / 40) ** 0.5:.4f}): "
+        "the harness or the baseline is broken (prompt format, few-shot, filter, metric, tokenizer or weights), "
+        "so no comparison against it can be trusted")
+    near = Gate(*_gate_parts(tmp_path / "c", f"expected_accuracy = {measured}\n"))
+    assert near.evaluate(case).outcome.rule == "accuracy"  # judged as before
+
+
+def _gate_parts(directory: Path, limits: str):
+    directory.mkdir()
+    found = measurements(directory, {"good": Needs(tasks=frozenset({"echo"}))},
+                         lambda text: text.replace("[tasks.limits]\n", "[tasks.limits]\n" + limits), task=True)
+    return found.config, found

@@ -178,3 +178,34 @@ def test_rerounded_build_is_written_once_per_seed(tmp_path: Path) -> None:
     assert write_rerounded(1, source, out) == out and (out / "model.safetensors").stat().st_mtime_ns == written
     write_rerounded(2, source, out)  # another seed replaces an earlier build of this kind
     assert json.loads((out / MARKER).read_text())["seed"] == 2
+
+
+def test_a_mount_point_is_refused_with_the_reason(tmp_path: Path, monkeypatch, capsys) -> None:
+    # A real mount point needs root and a mount; which one vLLM's users hit: a volume mounted at OUT_DIR.
+    out = tmp_path / "volume"
+    out.mkdir()
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == out or real_ismount(path))
+    assert fp8gate_main(["plant", "noscale", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"fp8gate: error: {out}: is a mount point, which cannot be replaced (the plant is built next to it and "
+        f"renamed into place); give a directory inside it, e.g. {out / 'plant'}\n")
+
+
+def test_a_read_only_place_is_refused_with_the_reason(tmp_path: Path, monkeypatch, capsys) -> None:
+    # chmod does not stop root (these machines run as root), so the filesystem flag is what is read.
+    out = tmp_path / "readonly" / "plant"
+    out.parent.mkdir()
+    real_statvfs = os.statvfs
+
+    class ReadOnly:
+        def __init__(self, found: os.statvfs_result) -> None:
+            self.f_flag = found.f_flag | os.ST_RDONLY
+
+    monkeypatch.setattr(os, "statvfs", lambda path: ReadOnly(real_statvfs(path))
+                        if Path(path) == out.parent else real_statvfs(path))
+    assert fp8gate_main(["plant", "noscale", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"fp8gate: error: {out}: {out.parent} is on a read-only filesystem (the plant is built next to it and "
+        "renamed into place); give a writable directory\n")
+    assert not out.exists()

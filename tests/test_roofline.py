@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -310,3 +311,23 @@ def test_unknown_gpus(reported: str):
 def test_every_table_name_finds_its_own_entry():
     for gpu in gpu_bandwidths.GPU_TABLE:
         assert gpu_bandwidths.find_gpu(gpu.name) is gpu
+
+
+def test_nvml_bandwidth_is_memory_clock_times_bus_width_double_data_rate(monkeypatch):
+    import types
+
+    from pytest_fp8gate import hardware
+
+    calls = []
+    fake = types.SimpleNamespace(
+        NVML_CLOCK_MEM=2, nvmlInit=lambda: calls.append("init"), nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetHandleByIndex=lambda index: ("gpu", index),
+        nvmlDeviceGetMaxClockInfo=lambda handle, kind: 3201 if kind == 2 else 0,
+        nvmlDeviceGetMemoryBusWidth=lambda handle: 6144)
+    third_party = types.ModuleType("vllm.third_party")
+    third_party.pynvml = fake  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.third_party", third_party)
+    monkeypatch.setitem(sys.modules, "vllm.third_party.pynvml", fake)
+    gbps, how = hardware.nvml_bandwidth_gbps()
+    assert gbps == pytest.approx(3201e6 * 2 * 6144 / 8 / 1e9) and round(gbps) == 4917
+    assert how == "NVML: 3201 MHz x 6144 bits x 2 / 8" and calls == ["init", "shutdown"]

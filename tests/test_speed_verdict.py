@@ -9,6 +9,7 @@ import pytest
 
 from pytest_fp8gate.demo.run import demo_config_text
 from pytest_fp8gate.engine import Latency
+from pytest_fp8gate.errors import GateError
 from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.options import display_path
 from pytest_fp8gate.record import ModelResult, PassResult
@@ -107,3 +108,43 @@ def test_the_speed_verdict_ends_with_its_limit_and_the_roofline_command(gate_for
         # The embedded model is overhead-bound, so that limit applies.
         f"  limit: {display_path(gate.config.path)} speed.min_ratio_overhead_bound = 0.5",
         f"  recompute: fp8gate roofline {model} --quantization fp8_per_channel --bandwidth-gbps 4800 --context 1128"]
+
+
+def test_a_share_of_the_ceiling_above_one_is_refused_as_a_wrong_byte_model(gate_for):
+    model = Path(gate_for(1, 1).config.baseline.model)
+    cand = estimate_from_path(model, quantization="fp8_per_channel", bandwidth_gbps=4800,
+                              context_tokens=decode_context_tokens(1000, 256))
+    base_tok_s = 617.0
+    gate = gate_for(base_tok_s, 1.5 * cand.ceiling_tok_s)  # faster than the bandwidth allows
+    with pytest.raises(GateError) as info:
+        gate.speed(Case("speed", "fp8-per-channel"))
+    message = str(info.value)
+    assert message.startswith(f"speed: fp8-per-channel decodes {1.5 * cand.ceiling_tok_s:.1f} tok/s, 1.50 x its "
+                              f"roofline ceiling of {cand.ceiling_tok_s:.1f} tok/s at 4800 GB/s")
+    assert "the byte model counts more bytes per token than the model reads" in message
+    assert gate_for(base_tok_s, 0.99 * cand.ceiling_tok_s).speed(Case("speed", "fp8-per-channel"))  # just below
+
+
+@pytest.mark.parametrize("nvml_gbps, warned", [(4000.0, True), (4900.0, False)])
+def test_the_table_bandwidth_is_checked_against_nvml(gate_for, monkeypatch, nvml_gbps, warned):
+    from pytest_fp8gate import hardware
+
+    monkeypatch.setattr(hardware, "nvml_bandwidth_gbps", lambda index=0: (nvml_gbps, "NVML: faked"))
+    expected = (f"WARNING: NVML gives {nvml_gbps:,.0f} GB/s for this device (NVML: faked), 17% from the "
+                "table's 4,800 GB/s; set speed.bandwidth_gbps to the figure you trust")
+    warning = hardware.nvml_disagreement(4800.0)  # measuring looks it up and keeps it in the record
+    assert warning == (expected if warned else None)
+    gate = gate_for(617.0, 600.0)
+    gate.measurements.candidate("fp8-per-channel").bandwidth_warning = warning
+    verdict = gate.speed(Case("speed", "fp8-per-channel"))
+    assert [note for note in verdict.notes if note.startswith("WARNING: NVML")] == ([expected] if warned else [])
+
+
+def test_a_gpu_missing_from_the_table_takes_nvmls_bandwidth(fake_gpus, monkeypatch):
+    from pytest_fp8gate import hardware
+
+    fake_gpus("NVIDIA H20")
+    monkeypatch.setattr(hardware, "nvml_bandwidth_gbps", lambda index=0: (4022.0, "NVML: 2619 MHz x 6144 bits x 2 / 8"))
+    assert hardware.detected_bandwidth("auto") == ("NVIDIA H20 (NVML: 2619 MHz x 6144 bits x 2 / 8)", 4022.0)
+    monkeypatch.setattr(hardware, "nvml_bandwidth_gbps", lambda index=0: (None, "NVML unavailable"))
+    assert hardware.detected_bandwidth("auto") is None  # then the speed rule asks for speed.bandwidth_gbps

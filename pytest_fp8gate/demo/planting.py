@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..atomic import atomic_write_bytes
+from ..atomic import atomic_write_bytes, fsync_directory
 
 if TYPE_CHECKING:
     import torch
@@ -176,6 +176,7 @@ def _read_marker(out_dir: Path) -> dict | None:
 
 
 def _check_replaceable(out_dir: Path) -> None:
+    _check_writable_place(out_dir)
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
@@ -185,6 +186,20 @@ def _check_replaceable(out_dir: Path) -> None:
             f"{out_dir}: not a planted checkpoint (no {MARKER} from an earlier fp8gate plant); "
             "refusing to replace it, give a new directory"
         )
+
+
+def _check_writable_place(out_dir: Path) -> None:
+    """The plant is built in a sibling of ``out_dir`` and renamed onto it: both need a writable
+    parent directory, and a mount point cannot be renamed."""
+    how = "the plant is built next to it and renamed into place"
+    if out_dir.is_dir() and os.path.ismount(out_dir):
+        raise ValueError(f"{out_dir}: is a mount point, which cannot be replaced ({how}); "
+                         f"give a directory inside it, e.g. {out_dir / 'plant'}")
+    parent = next(p for p in out_dir.absolute().parents if p.exists())
+    if os.statvfs(parent).f_flag & os.ST_RDONLY:
+        raise ValueError(f"{out_dir}: {parent} is on a read-only filesystem ({how}); give a writable directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{out_dir}: {parent} is not writable ({how}); give a writable directory")
 
 
 def write_transformed(transform: Callable[[torch.Tensor], torch.Tensor], source_dir: Path, out_dir: Path) -> None:
@@ -243,6 +258,7 @@ def _move_into_place(temp: Path, out_dir: Path, marker: dict) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     try:
         os.rename(temp, out_dir)
+        fsync_directory(out_dir.parent)
     except OSError:
         # Another process placed its copy in the meantime; keep it if it is ours too.
         if _read_marker(out_dir) != marker:
