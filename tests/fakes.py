@@ -471,3 +471,12 @@ if __name__ == "__main__":
     record = cache.fetch(spec, measurements.baseline_key(measurements.needs["fp8"]), artifacts / spec.name,
                          fake_baseline(measurements, calls, delay_s=1.5))
     out.write_text(json.dumps({"measured": bool(calls), "cached": record.cached}))
+
+
+def checkout_env() -> dict[str, str]:
+    """The environment for a child Python that must import this checkout's package first (and keep
+    whatever PYTHONPATH already holds: the GPU kit's packages live there)."""
+    import os
+
+    root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}

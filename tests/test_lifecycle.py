@@ -8,7 +8,6 @@ in for an engine core, tracked the way ``Engine.__init__`` tracks a real one.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fakes import checkout_env
 from pytest_fp8gate import lifecycle
 
 psutil = pytest.importorskip("psutil")
@@ -47,7 +47,7 @@ if sys.argv[2] == "wait":
 
 def _start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, list[int]]:
     # This checkout's package, whatever the working directory (pytester changes it).
-    env = {**os.environ, "PYTHONPATH": str(Path(lifecycle.__file__).parents[1])}
+    env = checkout_env()
     gate = subprocess.Popen([sys.executable, "-c", GATE, str(tmp_path), mode], stdout=subprocess.PIPE, text=True,
                             env=env)
     assert gate.stdout is not None

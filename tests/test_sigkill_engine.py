@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fakes import checkout_env
 from pytest_fp8gate import lifecycle
 from pytest_fp8gate.demo.embedded import embedded_assets
 
@@ -66,7 +67,7 @@ def test_sigkill_of_a_running_gate_leaves_no_engine_process(tmp_path: Path) -> N
         model=assets.model.as_posix(), device=DEVICE, memory=0.1 if DEVICE == "cpu" else 0.3))
     (tmp_path / "test_gate.py").write_text("")  # the plugin collects the rules; a module keeps rootdir here
     artifacts = tmp_path / "artifacts"
-    env = {**os.environ, "PYTHONPATH": str(Path(lifecycle.__file__).parents[1])}
+    env = checkout_env()
     gate = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--fp8gate-config", "thresholds.toml",
          "--fp8gate-artifacts", str(artifacts)],

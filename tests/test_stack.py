@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from fakes import checkout_env
 from pytest_fp8gate import stack
 
 
@@ -103,14 +104,12 @@ if __name__ == "__main__":
 def test_the_fingerprint_of_real_vllm_cpu_engines(tmp_path):
     pytest.importorskip("vllm")
     import json
-    import os
     import subprocess
     import sys
-    from pathlib import Path
 
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    env = {**os.environ, "PYTHONPATH": str(Path(stack.__file__).parents[1])}
+    env = checkout_env()
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, env=env)
     found = {row["name"]: row for row in (json.loads(line.removeprefix("STACK "))
                                           for line in done.stdout.splitlines() if line.startswith("STACK "))}
