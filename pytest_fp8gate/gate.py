@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import roofline, rules
+from . import generation_verdicts, roofline, rules
 from .answers import AnswerComparison, AnswerRecord, compare_answers
 from .errors import ComparisonError, DumpFormatError, GateError, RooflineError
 from .logprobs import TOPK_KL, LogprobComparison, compare_logprobs
@@ -106,7 +106,11 @@ class Gate:
         rule = rules.BY_NAME.get(case.rule)
         if rule is None:
             raise GateError(f"unknown rule {case.rule!r}; expected one of {', '.join(rules.BY_NAME)}")
-        # Probability rules share one judge driven by their row; any other rule has a method of its name.
+        # Probability rules share one judge driven by their row; any other rule has a method of its name,
+        # except the rules on generated text (issue 22), whose judges live in generation_verdicts.
+        if rule.name in generation_verdicts.JUDGES:
+            judged = generation_verdicts.JUDGES[rule.name](self, case)
+            return Verdict(case, judged.outcome, judged.details, judged.notes, limit=judged.limit)
         return self.probability(case) if rule.kind == "probability" else getattr(self, rule.name)(case)
 
     def _limit(self, key: str, value: Any) -> str:
@@ -159,6 +163,7 @@ class Gate:
         if limits.limit_se > 0:
             notes.append(f"judged like accuracy: fails only when the limit is missed by more than "
                          f"{limits.limit_se:g} SE of the candidate's figure (limit_se; 0 judges the point estimate)")
+        notes += generation_verdicts.candidate_noise_notes(self, case.candidate)
         notes.append(f"{comparison.positions} positions; same top {comparison.same_top:.5f} "
                      f"± {comparison.same_top_se:.5f}, RMS Δp {comparison.rms_dp:.5f}, "
                      f"PPL ratio {comparison.ppl_ratio:.6f}")

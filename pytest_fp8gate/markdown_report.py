@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import plots
+from . import generation_verdicts, plots
 from .answers import AnswerComparison, FlippedAnswer, compare_answers
 from .dumps import read_lm_eval_generations
 from .gate import Case, Verdict, compare_logprobs_command, flips_command
@@ -111,6 +111,7 @@ class _Candidate:
         # Outside the table: a skip reason is a sentence, and would make every row that wide.
         lines += [f"Not judged: {case.rule}{f' on {case.task}' if case.task else ''}: {why}" for case, why in unjudged]
         lines += [""] if unjudged else []
+        lines += generation_verdicts.report_lines(self.verdicts)
         lines += self.speed_lines() + [""]
         for task in self.data.config.tasks:
             lines += self.flip_lines(task)

@@ -43,6 +43,11 @@ Row = tuple[str, float]
 
 # The names of the rules judged by a function of their own (the probability rules' names are in RULES).
 ACCURACY, FLIPS, SPEED = "accuracy", "flips", "speed"
+# Optional task rules on the answers' form (collected only where their limit is set).
+LENGTH_DRIFT, INVALID_RATE = "length_drift", "invalid_rate"
+# The decode phase's rules (decode_verdicts.py judges them); DECODE_GAP is the candidate's own
+# decode-vs-prefill gap, the others compare it with the baseline on the baseline's continuations.
+DECODE_PREFIX, DECODE_GAP = "decode_", "decode_gap"
 
 
 @dataclass(frozen=True)
@@ -361,6 +366,29 @@ def decode_speed(
     return _outcome(SPEED, ratio, min_share_of_baseline, ratio - min_share_of_baseline, rows)
 
 
+def length_drift_within(drift: float, floor_drift: float | None, max_drift: float, floor_ratio: float) -> RuleOutcome:
+    """|mean output-length change| at most ``max_drift``, or ``floor_ratio`` x the noise floor's own
+    |drift| where that is larger (the floor's answers drift too)."""
+    return at_most(LENGTH_DRIFT, abs(drift), max_drift, None if floor_drift is None else abs(floor_drift),
+                   floor_ratio)
+
+
+def invalid_rate_within(base_rate: float, cand_rate: float, floor_rate: float | None, questions: int,
+                        max_increase: float, k: float) -> RuleOutcome:
+    """The candidate's share of unparsable answers at most the baseline's plus ``max_increase``
+    (or plus the worst noise pass's own rise, if larger), judged like accuracy: only a miss by more
+    than k SE = k sqrt(p(1-p)/n) of the candidate's rate fails."""
+    allowance = max(max_increase, (floor_rate - base_rate) if floor_rate is not None else 0.0)
+    limit = base_rate + allowance
+    se = binomial_se(cand_rate, questions)
+    rows: list[Row] = [("questions", questions), ("baseline invalid rate", base_rate)]
+    if floor_rate is not None:
+        rows.append(("noise floor invalid rate", floor_rate))
+    rows += [("allowed rise", allowance), ("candidate invalid rate", cand_rate),
+             (f"candidate SE (fails beyond {k:g} SE)", se)]
+    return _outcome(INVALID_RATE, cand_rate, limit, limit - cand_rate + k * se, rows)
+
+
 def is_overhead_bound(speed: DecodeSpeed, overhead_bound_below: float) -> bool:
     """Bytes explain too little of the step time for the bandwidth ceiling to apply."""
     return speed.share < overhead_bound_below
@@ -374,14 +402,15 @@ class Rule:
     report's and the summary's "rule". ``test`` is its test function in
     suite.py (the ids are public). ``kind`` says what it needs measured and how
     its cases are formed: per candidate ("probability", "speed") or per
-    candidate and task ("task"). ``limit_key`` is its limit's key in
-    [probabilities.limits], a task's limits or [speed]; a probability rule is
-    collected only where that limit is set.
+    candidate and task ("task"), or per candidate on generated text ("decode").
+    ``limit_key`` is its limit's key in [probabilities.limits], [decode.limits],
+    a task's limits or [speed]; a probability or decode rule, and a task rule
+    whose limit has no default, is collected only where that limit is set.
     """
 
     name: str
     test: str
-    kind: Literal["probability", "task", "speed"]
+    kind: Literal["probability", "task", "speed", "decode"]
     limit_key: str
     bound: Callable[..., RuleOutcome] | None = None  # probability rules: at_least or at_most the limit
     ideal: float | None = None  # probability rules: the metric for two identical runs
@@ -397,6 +426,13 @@ RULES: tuple[Rule, ...] = (
     Rule("mean_kl", "test_kl_within_limit", "probability", "max_mean_kl", at_most, 0.0, "kl_se"),
     Rule("ppl_ratio", "test_ppl_ratio_within_limit", "probability", "max_ppl_ratio", at_most, 1.0, "ppl_ratio_se"),
     Rule(SPEED, "test_decode_speed_near_ceiling", "speed", "min_share_of_baseline"),
+    # Optional additions (issue 22): fidelity on generated text and the answers' form.
+    Rule("decode_same_top", "test_decode_same_top", "decode", "min_same_top", at_least, 1.0, "same_top_se"),
+    Rule("decode_rms_dp", "test_decode_rms_dp", "decode", "max_rms_dp", at_most, 0.0, "rms_dp_se"),
+    Rule("decode_mean_kl", "test_decode_kl", "decode", "max_mean_kl", at_most, 0.0, "kl_se"),
+    Rule(DECODE_GAP, "test_decode_vs_prefill_gap", "decode", "max_gap_kl", at_most, 0.0, "kl_se"),
+    Rule(LENGTH_DRIFT, "test_output_length_drift", "task", "max_length_drift"),
+    Rule(INVALID_RATE, "test_invalid_rate", "task", "max_invalid_increase"),
 )
 BY_NAME = {rule.name: rule for rule in RULES}
 BY_TEST = {rule.test: rule for rule in RULES}

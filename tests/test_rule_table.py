@@ -10,12 +10,12 @@ import pytest
 
 from baseline_fakes import TASK, fake_baseline, logprob_run, make_measurements, sample_rows, write_gate, write_pass
 from pytest_fp8gate import config as config_module
-from pytest_fp8gate import rules, suite
+from pytest_fp8gate import generation_verdicts, rules, suite
 from pytest_fp8gate.gate import Case, Gate
 from pytest_fp8gate.logprobs import LogprobComparison
 from pytest_fp8gate.measure import ModelResult
 from pytest_fp8gate.report import summary_lines
-from pytest_fp8gate.spec import ProbabilityLimits, SpeedSpec, TaskLimits
+from pytest_fp8gate.spec import DecodeLimits, ProbabilityLimits, SpeedSpec, TaskLimits
 
 
 def test_the_suite_has_one_test_per_rule() -> None:
@@ -26,14 +26,18 @@ def test_the_suite_has_one_test_per_rule() -> None:
 
 def test_each_row_names_what_judges_it_and_its_limit() -> None:
     comparison_fields = {f.name for f in dataclasses.fields(LogprobComparison)}
-    tables = {"probability": ProbabilityLimits, "task": TaskLimits, "speed": SpeedSpec}
+    tables = {"probability": ProbabilityLimits, "task": TaskLimits, "speed": SpeedSpec, "decode": DecodeLimits}
     for rule in rules.RULES:
         assert rule.limit_key in {f.name for f in dataclasses.fields(tables[rule.kind])}, rule
-        if rule.kind == "probability":
-            assert rule.name in comparison_fields and rule.bound in (rules.at_least, rules.at_most), rule
+        if rule.kind in ("probability", "decode"):
+            # A decode rule's metric is the probability check's figure of its name, on generated positions.
+            metric = rule.name.removeprefix(rules.DECODE_PREFIX) if rule.name != rules.DECODE_GAP else "mean_kl"
+            assert metric in comparison_fields and rule.bound in (rules.at_least, rules.at_most), rule
             se = getattr(LogprobComparison, rule.se_field or "", None)
             assert rule.se_field in comparison_fields or isinstance(se, property), rule
-        else:
+        if rule.kind == "decode" or rule.name in generation_verdicts.JUDGES:
+            assert rule.name in generation_verdicts.JUDGES, rule  # Gate.evaluate hands these over
+        elif rule.kind != "probability":
             assert callable(getattr(Gate, rule.name)), rule  # Gate.evaluate calls the method of its name
     assert config_module._PROBABILITY_METRIC_LIMITS == tuple(
         rule.limit_key for rule in rules.RULES if rule.kind == "probability")
@@ -45,15 +49,26 @@ max_mean_kl = 0.01
 min_same_top = 0.9
 max_rms_dp = 0.05
 max_ppl_ratio = 1.01
+[decode]
+prompts = 2
+prompt_tokens = 100
+new_tokens = 50
+[decode.limits]
+min_same_top = 0.9
+max_rms_dp = 0.05
+max_mean_kl = 0.01
+max_gap_kl = 0.01
 [speed]
 bandwidth_gbps = 100
 """
+# The optional task rules' limits, in the task's table.
+TASK_LIMITS = "limit = 30\n[tasks.limits]\nmax_length_drift = 0.1\nmax_invalid_increase = 0.02\n"
 
 
 def _gate_file(tmp_path: Path) -> Path:
     path = write_gate(tmp_path / "gate")
     text = path.read_text().replace("[probabilities.limits]\nmax_mean_kl = 0.01\nmin_same_top = 0.9\n", "")
-    path.write_text(text + ALL_RULES)
+    path.write_text(text.replace("limit = 30\n", TASK_LIMITS) + ALL_RULES)
     return path
 
 
@@ -73,10 +88,10 @@ def test_each_verdict_the_json_and_the_summary_use_the_rule_s_name(tmp_path: Pat
     cand = write_pass(tmp_path / "artifacts" / "fp8", "main", logprob_run(0, 0.05), sample_rows({3, 4, 9}))
     measurements._candidates["fp8"] = ModelResult(measurements.config.candidates[0], cand, 1.0, None, 8)
     gate = Gate(measurements.config, measurements)
-    verdicts = [gate.evaluate(Case(rule.name, "fp8", TASK if rule.kind == "task" else None))
-                for rule in rules.RULES if rule.kind != "speed"]  # speed: tests/test_speed_verdict.py
-    assert [v.outcome.rule for v in verdicts] == [v.case.rule for v in verdicts] == [
-        rule.name for rule in rules.RULES if rule.kind != "speed"]
+    # speed: tests/test_speed_verdict.py; decode: tests/test_generation_rules.py (they need an engine's continuations)
+    judged = [rule for rule in rules.RULES if rule.kind not in ("speed", "decode")]
+    verdicts = [gate.evaluate(Case(rule.name, "fp8", TASK if rule.kind == "task" else None)) for rule in judged]
+    assert [v.outcome.rule for v in verdicts] == [v.case.rule for v in verdicts] == [rule.name for rule in judged]
     assert [v.as_dict()["rule"] for v in verdicts] == [v.case.rule for v in verdicts]
     assert [line.split()[0] for line in summary_lines(verdicts)[1:]] == [v.case.rule for v in verdicts]
     # Each explanation ends with where to act: the limit's key, and the command that recomputes the number.
