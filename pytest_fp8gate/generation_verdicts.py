@@ -136,8 +136,8 @@ def decode_gap(gate: Gate, case: Case) -> Judged:
     if cand.mean_kl is None or base.mean_kl is None:
         raise GateError(f"{gate.config.path}: decode.limits.max_gap_kl: the engine gave no distributions to "
                         f"compute KL from (KL: {cand.logprobs.kl_kind})")
-    outcome = rules.at_most(rules.DECODE_GAP, cand.mean_kl, limits.max_gap_kl, base.mean_kl, limits.gap_ratio,
-                            measured_se=cand.logprobs.kl_se or 0.0, k_se=limits.limit_se)
+    outcome = rules.at_most_or_floor(rules.DECODE_GAP, cand.mean_kl, limits.max_gap_kl, base.mean_kl,
+                                     limits.gap_ratio, measured_se=cand.logprobs.kl_se or 0.0, k_se=limits.limit_se)
     notes = [f"candidate decode vs its own prefill: {_figures(cand)}",
              f"baseline decode vs its own prefill (noise floor): {_figures(base)}",
              "KL(decode || prefill) on each model's own greedy continuations; a KV-cache path that prefill-only "
