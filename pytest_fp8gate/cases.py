@@ -31,7 +31,7 @@ def _engine_marks(config: GateConfig, case: Case) -> list[Any]:
     if config.device != "cpu":
         return []
     spec = next(c for c in config.candidates if c.name == case.candidate)
-    refusal = cpu_engine_refusal(spec.model, spec.quantization)
+    refusal = cpu_engine_refusal(spec.model, spec.quantization, spec.engine.get("kv_cache_dtype"))
     return [pytest.mark.skip(reason=f"{config.path.name}: candidate {spec.name}: {refusal}")] if refusal else []
 
 

@@ -311,6 +311,9 @@ class Measurements:
             self._baseline = self._measure_with(engine, spec, needs)
             if BATCH_ORDER_PASS in passes:
                 self._noise[BATCH_ORDER_PASS] = self._passes(engine, spec, needs, BATCH_ORDER_PASS, BATCH_ORDER)
+            # After the passes without it, so that what it leaves in the prefix cache changes none of them.
+            self._measure_decode(engine, spec, needs)
+            if BATCH_ORDER_PASS in passes:
                 self._decode_floor(engine, needs, BATCH_ORDER_PASS, BATCH_ORDER)
         if FP16_PASS in passes:
             with self._running(spec, f"{spec.name}-fp16", dtype="float16") as engine:
@@ -323,6 +326,7 @@ class Measurements:
     def _measure_model(self, spec: ModelSpec, needs: Needs) -> ModelResult:
         with self._running(spec, spec.name) as engine:
             result = self._measure_with(engine, spec, needs)
+            self._measure_decode(engine, spec, needs)
             # The candidate against itself in another batch order: is it noisier than its baseline?
             own_floor = Needs(needs.probabilities, needs.tasks)
             self.candidate_noise[spec.name] = {
@@ -339,16 +343,20 @@ class Measurements:
                 engine, self.decode[self.config.baseline.name].own, self.config.probabilities.top_k,
                 self._full_vocab_wanted(), layout)
 
+    def _measure_decode(self, engine: Engine, spec: ModelSpec, needs: Needs) -> None:
+        """The decode phase of one model (decode_passes): the baseline's first, then each candidate's."""
+        if not needs.decode or self.config.decode is None or self.config.probabilities is None:
+            return
+        started = time.perf_counter()
+        baseline = self.decode.get(self.config.baseline.name)
+        self.decode[spec.name] = decode_passes.measure_model(
+            engine, decode_passes.decode_prompts(self._chunks, self.config.decode), self.config.decode,
+            self.config.probabilities.top_k, self._full_vocab_wanted(), baseline.own if baseline else None,
+            ALL_AT_ONCE)
+        self.announce(f"fp8gate: measured {spec.name} [decode]: {time.perf_counter() - started:.1f} s")
+
     def _measure_with(self, engine: Engine, spec: ModelSpec, needs: Needs) -> ModelResult:
         main = self._passes(engine, spec, needs, "main")
-        if needs.decode and self.config.decode is not None and self.config.probabilities is not None:
-            started = time.perf_counter()
-            baseline = self.decode.get(self.config.baseline.name)
-            self.decode[spec.name] = decode_passes.measure_model(
-                engine, decode_passes.decode_prompts(self._chunks, self.config.decode), self.config.decode,
-                self.config.probabilities.top_k, self._full_vocab_wanted(), baseline.own if baseline else None,
-                ALL_AT_ONCE)
-            self.announce(f"fp8gate: measured {spec.name} [decode]: {time.perf_counter() - started:.1f} s")
         result = ModelResult(spec, main, engine.start_s, engine.kv_cache_tokens(), engine.vocab_size)
         if needs.speed and self.config.speed is not None:
             s = self.config.speed
