@@ -8,12 +8,14 @@ Nothing is re-encoded from text.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .decode_phase import DecodeRun, generated_index, generated_rows
+from .dumps import write_logprob_dump
 from .errors import IdScoringUnavailable
 from .logprobs import LogprobRun
 from .spec import DecodeSpec
@@ -30,6 +32,22 @@ class DecodeResult:
     own: DecodeRun
     own_prefill: LogprobRun
     on_baseline: LogprobRun | None = None
+    dumps: dict[str, Path] = field(default_factory=dict)  # as write_dumps wrote them, for fp8gate compare-logprobs
+
+
+# The dumps of one model's decode phase: its decode-time rows, its prefill of them, its prefill of the baseline's.
+DECODE, PREFILL, ON_BASELINE = "decode", "prefill", "on_baseline"
+
+
+def write_dumps(directory: Path, result: DecodeResult, metadata: dict[str, Any]) -> None:
+    """Each run of ``result`` as a logprob dump under ``directory``; ``fp8gate compare-logprobs``
+    on two of them recomputes a decode-phase verdict's figures."""
+    directory.mkdir(parents=True, exist_ok=True)
+    runs = {DECODE: result.own.logprobs, PREFILL: result.own_prefill, ON_BASELINE: result.on_baseline}
+    for name, run in runs.items():
+        if run is not None:
+            result.dumps[name] = directory / f"{name}.npz"
+            write_logprob_dump(result.dumps[name], run, {**metadata, "decode": name})
 
 
 def decode_prompts(chunks: list[list[int]], spec: DecodeSpec) -> list[list[int]]:

@@ -110,7 +110,8 @@ class Gate:
         # except the rules on generated text (issue 22), whose judges live in generation_verdicts.
         if rule.name in generation_verdicts.JUDGES:
             judged = generation_verdicts.JUDGES[rule.name](self, case)
-            return Verdict(case, judged.outcome, judged.details, judged.notes, limit=judged.limit)
+            recompute = fp8gate_command("compare-logprobs", *judged.compare) if judged.compare else None
+            return Verdict(case, judged.outcome, judged.details, judged.notes, limit=judged.limit, recompute=recompute)
         return self.probability(case) if rule.kind == "probability" else getattr(self, rule.name)(case)
 
     def _limit(self, key: str, value: Any) -> str:

@@ -5,9 +5,10 @@ and the decode-phase figures beside the candidate's prefill figures on the corpu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import rules
+from . import decode_passes, rules
 from .answers import invalid_rate, length_drift
 from .decode_phase import DecodeComparison, compare_decode
 from .dumps import read_lm_eval_generations
@@ -27,6 +28,7 @@ class Judged:
     details: dict[str, Any]
     notes: tuple[str, ...]
     limit: str
+    compare: tuple[Path, Path] | None = None  # two logprob dumps whose fp8gate compare-logprobs recomputes it
 
 # The floor of a decode-phase figure: an identical candidate would still show the baseline's own gap.
 BASELINE_GAP = "baseline decode vs prefill"
@@ -122,7 +124,10 @@ def decode_phase(gate: Gate, case: Case) -> Judged:
                SIDE_BY_SIDE: side}
     key = "floor_ratio" if limits.floor_ratio is not None and outcome.limit != reference else rule.limit_key
     value = limits.floor_ratio if key == "floor_ratio" else reference
-    return Judged(outcome, details, tuple(notes), limit=gate._limit(f"decode.limits.{key}", value))
+    dumps = (gate.measurements.decode[gate.config.baseline.name].dumps.get(decode_passes.DECODE),
+             gate.measurements.decode[case.candidate].dumps.get(decode_passes.ON_BASELINE))
+    return Judged(outcome, details, tuple(notes), limit=gate._limit(f"decode.limits.{key}", value),
+                  compare=_pair(*dumps))
 
 
 def decode_gap(gate: Gate, case: Case) -> Judged:
@@ -145,8 +150,13 @@ def decode_gap(gate: Gate, case: Case) -> Judged:
     details = {"comparison": cand.as_dict(), "noise_floor": {BASELINE_GAP: base.as_dict()},
                SIDE_BY_SIDE: f"decode vs prefill: candidate KL {cand.mean_kl:.6g}, baseline KL {base.mean_kl:.6g}"}
     key = "gap_ratio" if outcome.limit != limits.max_gap_kl else "max_gap_kl"
-    return Judged(outcome, details, tuple(notes),
-                   limit=gate._limit(f"decode.limits.{key}", getattr(limits, key)))
+    dumps = gate.measurements.decode[case.candidate].dumps
+    return Judged(outcome, details, tuple(notes), limit=gate._limit(f"decode.limits.{key}", getattr(limits, key)),
+                  compare=_pair(dumps.get(decode_passes.DECODE), dumps.get(decode_passes.PREFILL)))
+
+
+def _pair(first: Path | None, second: Path | None) -> tuple[Path, Path] | None:
+    return (first, second) if first is not None and second is not None else None
 
 
 def length_drift_verdict(gate: Gate, case: Case) -> Judged:

@@ -353,6 +353,8 @@ class Measurements:
             engine, decode_passes.decode_prompts(self._chunks, self.config.decode), self.config.decode,
             self.config.probabilities.top_k, self._full_vocab_wanted(), baseline.own if baseline else None,
             ALL_AT_ONCE)
+        decode_passes.write_dumps(self.artifacts / spec.name / "decode", self.decode[spec.name],
+                                  {"model": spec.model, "name": spec.name, RUN_ID: self.run_id})
         self.announce(f"fp8gate: measured {spec.name} [decode]: {time.perf_counter() - started:.1f} s")
 
     def _measure_with(self, engine: Engine, spec: ModelSpec, needs: Needs) -> ModelResult:

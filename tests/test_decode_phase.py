@@ -8,6 +8,7 @@ import pytest
 
 from pytest_fp8gate import rules
 from pytest_fp8gate.answers import AnswerRecord, invalid_rate, is_invalid, length_drift
+from pytest_fp8gate.capabilities import cpu_engine_refusal
 from pytest_fp8gate.decode_phase import (
     TOPK_ACCEPTANCE,
     DecodeRun,
@@ -130,3 +131,11 @@ def test_the_output_sanity_rules_pass_and_fail() -> None:
     failed = rules.invalid_rate_within(0.02, 0.10, 0.02, 500, 0.01, 1.0)
     assert not failed.passed and failed.limit == pytest.approx(0.03)
     assert rules.invalid_rate_within(0.02, 0.10, 0.09, 500, 0.01, 1.0).passed  # a noise pass rose as much
+
+
+def test_an_fp8_kv_cache_is_refused_on_a_cpu_without_avx512_or_amx() -> None:
+    refusal = cpu_engine_refusal("model", None, "fp8", flags=frozenset({"avx", "avx2"}))
+    assert refusal is not None and "AVX-512 or AMX" in refusal
+    assert cpu_engine_refusal("model", None, "fp8", flags=frozenset({"avx2", "avx512f"})) is None
+    assert cpu_engine_refusal("model", None, "fp8_e5m2", flags=frozenset({"amx_tile"})) is None
+    assert cpu_engine_refusal("model", None, "auto", flags=frozenset()) is None

@@ -3,12 +3,13 @@ the candidate's own noise pass, output length and invalid answers; each passes a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from fake_engine import FakeModel, fake_engine_class, write_gate
-from pytest_fp8gate import rules
+from pytest_fp8gate import generation_verdicts, rules
 from pytest_fp8gate.cases import cases_for
 from pytest_fp8gate.config import load_config
 from pytest_fp8gate.errors import ConfigError
@@ -154,3 +155,45 @@ def test_bad_decode_settings_are_one_clear_line(tmp_path: Path, extra: str, mess
 def test_candidate_passes_take_only_the_batch_order_pass(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"noise.candidate_passes: expected one of 'batch-order', got string 'fp16'"):
         load_config(write_gate(tmp_path, _edit(noise='candidate_passes = ["fp16"]\n')))  # type: ignore[arg-type]
+
+
+# rule -> the rows of its table, the limit it names, and whether fp8gate compare-logprobs recomputes it
+EXPLAINED = {
+    "decode_same_top": (["reference", "noise floor", "candidate", "candidate SE (fails beyond 1 SE)", "threshold",
+                         "margin"], "decode.limits.min_same_top = 0.97674", True),
+    "decode_rms_dp": (["reference", "noise floor", "candidate", "candidate SE (fails beyond 1 SE)", "threshold",
+                       "margin"], "decode.limits.max_rms_dp = 0.01198", True),
+    "decode_mean_kl": (["reference", "noise floor", "candidate", "candidate SE (fails beyond 1 SE)", "threshold",
+                        "margin"], "decode.limits.max_mean_kl = 0.001355", True),
+    rules.DECODE_GAP: (["reference", "noise floor", "3 x noise floor", "candidate", "candidate SE (fails beyond 1 SE)",
+                        "threshold", "margin"], "decode.limits.max_gap_kl = 0.001355", True),
+    rules.LENGTH_DRIFT: (["reference", "noise floor", "2 x noise floor", "candidate", "threshold", "margin"],
+                         "tasks[0].limits.max_length_drift = 0.1", False),
+    rules.INVALID_RATE: (["questions", "baseline invalid rate", "noise floor invalid rate", "allowed rise",
+                          "candidate invalid rate", "candidate SE (fails beyond 1 SE)", "threshold", "margin"],
+                         "tasks[0].limits.max_invalid_increase = 0.02", False),
+}
+FAILING = {"decode_same_top": "bad", "decode_rms_dp": "bad", "decode_mean_kl": "bad", rules.DECODE_GAP: "kv",
+           rules.LENGTH_DRIFT: "rambling", rules.INVALID_RATE: "rambling"}
+
+
+@pytest.mark.parametrize("rule", sorted(EXPLAINED))
+def test_each_verdict_explains_itself_and_says_where_to_act(judged: dict, rule: str, capsys) -> None:
+    from pytest_fp8gate.cli import main as fp8gate_main
+
+    assert set(EXPLAINED) == set(generation_verdicts.JUDGES)
+    rows, limit, recomputed = EXPLAINED[rule]
+    for candidate, state in (("good", "passed"), (FAILING[rule], "FAILED")):
+        verdict = judged[rule, candidate]
+        lines = verdict.explain().splitlines()
+        assert lines[0].startswith(f"{rule} {state} for candidate {candidate}")
+        assert [label for label, _ in verdict.outcome.rows] == rows
+        limit_line = next(line for line in lines if line.startswith("  limit: "))
+        assert limit_line.endswith(f"thresholds.toml {limit}"), limit_line
+        assert (verdict.recompute is not None) is recomputed
+        if recomputed:  # the recompute command gives the verdict's own figure from the dumps
+            words = verdict.recompute.split()  # type: ignore[union-attr]
+            assert fp8gate_main([*words[1:], "--json"]) == 0
+            figures = json.loads(capsys.readouterr().out)
+            metric = "mean_kl" if rule == rules.DECODE_GAP else rule.removeprefix(rules.DECODE_PREFIX)
+            assert figures[metric] == pytest.approx(verdict.outcome.measured)
