@@ -122,6 +122,11 @@ def test_every_model_scores_the_baselines_exact_ids_and_its_own(judged: dict) ->
     # Each model writes its own continuations once, then prefills its own and (candidates) the baseline's.
     assert [c[1] for c in calls if c[0] == "generate_with_logprobs"] == ["bf16", *MODELS]
     assert sum(1 for c in calls if c[0] == "prompt_logprobs" and c[1] == "good") == 4  # corpus, 2 decode, noise
+    # In the baseline's engine the decode passes come after every other pass, so that what they
+    # leave in the prefix cache changes no existing verdict.
+    first_decode = calls.index(next(c for c in calls if c[0] == "generate_with_logprobs"))
+    assert all(calls.index(c) < first_decode for c in calls if c[:3] in (("prompt_logprobs", "bf16", BATCH_ORDER),
+                                                                           ("generate_greedy", "bf16", BATCH_ORDER)))
 
 
 def test_without_decode_keys_nothing_is_generated_and_no_rule_is_collected(tmp_path: Path) -> None:
