@@ -202,3 +202,12 @@ def test_each_verdict_explains_itself_and_says_where_to_act(judged: dict, rule: 
             figures = json.loads(capsys.readouterr().out)
             metric = "mean_kl" if rule == rules.DECODE_GAP else rule.removeprefix(rules.DECODE_PREFIX)
             assert figures[metric] == pytest.approx(verdict.outcome.measured)
+
+
+def test_the_report_puts_the_decode_figures_beside_the_prefill_figures(judged: dict) -> None:
+    verdicts = [judged[rule, "good"] for rule in (*DECODE_RULES, rules.DECODE_GAP, "mean_kl")]
+    lines = generation_verdicts.report_lines(verdicts)
+    phase = next(line for line in lines if line.startswith("Decode phase: decode same top"))
+    assert " | prefill same top " in phase and "acceptance" in phase
+    assert any(line.startswith("Decode phase: decode vs prefill: candidate KL ") for line in lines)
+    assert len([line for line in lines if line]) == 2  # once per candidate, not once per rule
