@@ -248,8 +248,10 @@ class Engine:
         while decoding it (the sampled token's and the top-k, or the whole vocabulary)."""
         from vllm import SamplingParams
 
+        # ignore_eos: every continuation runs its full length, so the decode phase reaches the
+        # positions it is set up to reach (the demo's past 2,000, where the window plant departs).
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=-1 if full_vocab else top_k,
-                                flat_logprobs=True, detokenize=False)
+                                flat_logprobs=True, detokenize=False, ignore_eos=True)
         results = []
         for out in self._generate(prompts, lambda i: params, layout):
             ids = tuple(out.outputs[0].token_ids)
