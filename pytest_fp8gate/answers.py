@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,6 +25,9 @@ __all__ = [
     "detectable_flip_rate",
     "flip_ratio_p",
     "flip_rule_power",
+    "invalid_rate",
+    "is_invalid",
+    "length_drift",
     "mcnemar_exact_p",
 ]
 
@@ -247,3 +250,31 @@ def detectable_flip_rate(
         else:
             low = middle
     return high
+
+
+# What lm-eval's regex filter answers when the pattern finds nothing (RegexFilter's fallback).
+INVALID_ANSWER = "[invalid]"
+
+
+def is_invalid(record: AnswerRecord) -> bool:
+    """No parsable answer under the task's filter: lm-eval's "[invalid]", or nothing at all."""
+    return record.response.strip() in ("", INVALID_ANSWER)
+
+
+def invalid_rate(records: Sequence[AnswerRecord]) -> float:
+    """The share of answers with no parsable answer (vLLM's gsm8k_eval reports it as invalid_rate)."""
+    if not records:
+        raise ComparisonError("no answers to count")
+    return sum(is_invalid(record) for record in records) / len(records)
+
+
+def length_drift(base: Mapping[Hashable, str], cand: Mapping[Hashable, str]) -> float:
+    """mean(candidate length) / mean(baseline length) - 1 over the questions both answered,
+    lengths in characters of the raw generated text (MLPerf's TEST09 bounds it at 10%)."""
+    shared = [doc for doc in base if doc in cand]
+    if not shared:
+        raise ComparisonError("the two runs answered no question in common")
+    base_total = sum(len(base[doc]) for doc in shared)
+    if base_total == 0:
+        raise ComparisonError("every baseline answer is empty; a length drift is undefined")
+    return sum(len(cand[doc]) for doc in shared) / base_total - 1.0

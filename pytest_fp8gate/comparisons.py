@@ -2,24 +2,37 @@
 
 The verdicts, the markdown report and the plots read the same objects: the
 log-prob comparison of a candidate (and of each noise pass) against the
-baseline's main pass, and per task the answer comparison and its floors.
+baseline's main pass, per task the answer comparison and its floors, and the
+decode phase's comparisons on generated positions (issue 22).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Protocol
 
-from .answers import AnswerComparison, AnswerRecord, compare_answers
+from .answers import AnswerComparison, AnswerRecord, compare_answers, invalid_rate, length_drift
+from .decode_phase import DecodeComparison, DecodeRun, compare_decode
+from .dumps import read_lm_eval_generations
 from .errors import ComparisonError, DumpFormatError, GateError
-from .logprobs import LogprobComparison, compare_logprobs
-from .record import BaselineRecord, ModelResult, PassResult
+from .logprobs import LogprobComparison, LogprobRun, compare_logprobs
+from .record import BaselineRecord, DecodeResult, ModelResult, PassResult
 from .spec import GateConfig, TaskSpec
+
+# The floor of a decode-phase figure: an identical candidate would still show the baseline's own gap.
+BASELINE_GAP = "baseline decode vs prefill"
 
 
 class Measured(Protocol):
     """What the comparisons read: ``measure.Measurements``, or a record an earlier run left."""
 
     id_scoring_refusal: str | None  # why the engine could not score the baseline's top-k ids, if it could not
+    # The decode phase by model name (the baseline's and each measured candidate's), the baseline noise
+    # passes' prefills of the baseline's continuations by pass label, and [noise] candidate_passes by
+    # candidate and label. A candidate's entries exist once ``candidate(name)`` has returned.
+    decode: dict[str, DecodeResult]
+    decode_floor: dict[str, LogprobRun]
+    candidate_noise: dict[str, dict[str, PassResult]]
 
     def baseline(self) -> ModelResult: ...
 
@@ -34,6 +47,11 @@ class Recorded:
     def __init__(self, baseline: BaselineRecord, candidates: dict[str, ModelResult]) -> None:
         self.record, self.candidates = baseline, candidates
         self.id_scoring_refusal = baseline.id_scoring_refusal
+        # The baseline record does not hold the decode phase (the cache does not store it yet);
+        # the report reads its figures from the verdicts.
+        self.decode: dict[str, DecodeResult] = {}
+        self.decode_floor: dict[str, LogprobRun] = {}
+        self.candidate_noise: dict[str, dict[str, PassResult]] = {}
 
     def baseline(self) -> ModelResult:
         return self.record.result
@@ -56,6 +74,11 @@ class Comparisons:
         self._baseline_answers: dict[str, list[AnswerRecord]] = {}
         self._answers: dict[tuple[str, str], AnswerComparison] = {}
         self._answer_floors: dict[str, dict[str, AnswerComparison]] = {}
+        self._decode: dict[str, DecodeComparison] = {}
+        self._decode_floors: dict[str, DecodeComparison] | None = None
+        self._decode_gaps: dict[str, DecodeComparison] = {}
+        self._candidate_noise: dict[str, dict[str, LogprobComparison]] = {}
+        self._generations: dict[tuple[str, str], dict[Hashable, str]] = {}  # (pass key, task) -> doc -> text
 
     def logprobs(self, candidate: str) -> LogprobComparison:
         """The candidate's main pass against the baseline's, token by token."""
@@ -107,3 +130,81 @@ class Comparisons:
             index = self.config.tasks.index(task)
             raise GateError(f"{self.config.path}: tasks[{index}] (filter {task.filter!r}, metric {task.metric!r}): "
                             f"lm-eval's samples do not have it: {err.expected} (in {err.path})") from None
+
+    def invalid_rates(self, candidate: str, task: TaskSpec) -> tuple[float, float, dict[str, float], int]:
+        """The share of unparsable answers: the baseline's, the candidate's, each noise pass's, and the
+        candidate's question count."""
+        base = self.baseline_answers(task)
+        cand = self._read(self.measured.candidate(candidate).main, task)
+        floors = {label: invalid_rate(self._read(run, task))
+                  for label, run in self.measured.noise().items() if task.name in run.samples}
+        return invalid_rate(base), invalid_rate(cand), floors, len(cand)
+
+    def length_drifts(self, candidate: str, task: TaskSpec) -> tuple[float, dict[str, float]]:
+        """The candidate's mean output-length drift against the baseline, and each noise pass's."""
+        base = self._texts("baseline", self.measured.baseline().main, task)
+        cand = self._texts(f"candidate {candidate}", self.measured.candidate(candidate).main, task)
+        floors = {label: length_drift(base, self._texts(f"noise {label}", run, task))
+                  for label, run in self.measured.noise().items() if task.name in run.samples}
+        return length_drift(base, cand), floors
+
+    def _texts(self, key: str, run: PassResult, task: TaskSpec) -> dict[Hashable, str]:
+        if (key, task.name) not in self._generations:
+            self._generations[key, task.name] = read_lm_eval_generations(run.samples[task.name], task.filter)
+        return self._generations[key, task.name]
+
+    # ---- the decode phase (issue 22) -----------------------------------------
+
+    def decode(self, candidate: str) -> tuple[DecodeComparison, dict[str, DecodeComparison]]:
+        """The candidate's prefill of the baseline's continuations against the baseline's decode-time
+        log-probs, and the same comparison for each floor (the baseline's own prefill, its noise passes)."""
+        if candidate not in self._decode:
+            self.measured.candidate(candidate)
+            on_baseline = self.measured.decode[candidate].on_baseline
+            assert on_baseline is not None  # a candidate's decode phase always prefills the baseline's ids
+            self._decode[candidate] = self._compare(f"candidate {candidate} on the baseline's continuations",
+                                                    self._baseline_decode().own, on_baseline)
+        if self._decode_floors is None:
+            own = self._baseline_decode().own
+            floors = {BASELINE_GAP: self.baseline_gap()}
+            floors.update({label: self._compare(f"noise pass {label}", own, run)
+                           for label, run in self.measured.decode_floor.items()})
+            self._decode_floors = floors
+        return self._decode[candidate], self._decode_floors
+
+    def decode_gap(self, candidate: str) -> DecodeComparison:
+        """The candidate's decode-time log-probs against its own prefill of the same ids."""
+        if candidate not in self._decode_gaps:
+            self.measured.candidate(candidate)
+            result = self.measured.decode[candidate]
+            self._decode_gaps[candidate] = self._compare(f"candidate {candidate} decode vs prefill", result.own,
+                                                         result.own_prefill)
+        return self._decode_gaps[candidate]
+
+    def baseline_gap(self) -> DecodeComparison:
+        """The baseline's decode against its own prefill: the floor of every decode-phase figure."""
+        name = self.config.baseline.name
+        if name not in self._decode_gaps:
+            result = self._baseline_decode()
+            self._decode_gaps[name] = self._compare("baseline decode vs prefill", result.own, result.own_prefill)
+        return self._decode_gaps[name]
+
+    def _baseline_decode(self) -> DecodeResult:
+        self.measured.baseline()
+        return self.measured.decode[self.config.baseline.name]
+
+    def _compare(self, what: str, base: DecodeRun, cand: LogprobRun) -> DecodeComparison:
+        try:
+            return compare_decode(base, cand)
+        except ComparisonError as err:
+            raise GateError(f"{what}: {err}") from None
+
+    def candidate_noise(self, candidate: str) -> dict[str, LogprobComparison]:
+        """[noise] candidate_passes: the candidate's main pass against its own re-run, by pass label."""
+        if candidate not in self._candidate_noise:
+            main = self.measured.candidate(candidate).main.logprobs
+            own = self.measured.candidate_noise.get(candidate, {})
+            self._candidate_noise[candidate] = {label: compare_logprobs(main, run.logprobs)
+                                                for label, run in own.items()
+                                                if main is not None and run.logprobs is not None}
+        return self._candidate_noise[candidate]

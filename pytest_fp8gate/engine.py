@@ -190,7 +190,7 @@ class Engine:
         want = -1 if full_vocab else top_k
         params = SamplingParams(max_tokens=1, prompt_logprobs=want, flat_logprobs=True, detokenize=False)
         outputs = self._generate(chunks, lambda i: params, layout)
-        parts = [_flat_to_arrays(out.prompt_logprobs, len(chunk), top_k, self.vocab_size if full_vocab else None)
+        parts = [_flat_to_arrays(out.prompt_logprobs, 1, len(chunk), top_k, self.vocab_size if full_vocab else None)
                  for out, chunk in zip(outputs, chunks)]
         real = np.concatenate([p[0] for p in parts])
         top_ids = np.concatenate([p[1] for p in parts])
@@ -244,6 +244,27 @@ class Engine:
         outputs = self._generate(prompts, lambda i: SamplingParams(
             temperature=0.0, max_tokens=max_tokens[i], stop=list(stops[i]) or None), layout)
         return [Generation(out.outputs[0].text, tuple(out.outputs[0].token_ids)) for out in outputs]
+
+    def generate_with_logprobs(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int, top_k: int, full_vocab: bool,
+        layout: BatchLayout = ALL_AT_ONCE,
+    ) -> list[tuple[tuple[int, ...], LogprobRun]]:
+        """Greedy continuations of token-id prompts, each with the log-probs the engine gave
+        while decoding it (the sampled token's and the top-k, or the whole vocabulary)."""
+        from vllm import SamplingParams
+
+        # ignore_eos: every continuation runs its full length, so the decode phase reaches the
+        # positions it is set up to reach.
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=-1 if full_vocab else top_k,
+                                flat_logprobs=True, detokenize=False, ignore_eos=True)
+        results = []
+        for out in self._generate(prompts, lambda i: params, layout):
+            ids = tuple(out.outputs[0].token_ids)
+            real, top_ids, top_lp, full = _flat_to_arrays(out.outputs[0].logprobs, 0, len(ids), top_k,
+                                                          self.vocab_size if full_vocab else None)
+            results.append((ids, LogprobRun(real, top_ids, top_lp, full_logprobs=full,
+                                            token_ids=np.asarray(ids, dtype=np.int64))))
+        return results
 
     def continuation_logprobs(
         self, prompts: Sequence[Sequence[int]], continuation_lengths: Sequence[int], layout: BatchLayout = ALL_AT_ONCE
@@ -332,14 +353,15 @@ def _drop_vllm_env_cache() -> None:
 
 
 def _flat_to_arrays(
-    flat: Any, length: int, top_k: int, vocab_size: int | None
+    flat: Any, first: int, length: int, top_k: int, vocab_size: int | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """vLLM's FlatLogprobs for one prompt -> per-position arrays (positions 1..length-1).
+    """vLLM's FlatLogprobs for one request -> per-position arrays (positions first..length-1).
 
-    Each scored position holds the real token first, then the ranked top-N.
+    Each scored position holds the real (prompt) or sampled (generation) token
+    first, then the ranked top-N.
     """
-    starts = np.asarray(flat.start_indices[1:length], dtype=np.int64)
-    ends = np.asarray(flat.end_indices[1:length], dtype=np.int64)
+    starts = np.asarray(flat.start_indices[first:length], dtype=np.int64)
+    ends = np.asarray(flat.end_indices[first:length], dtype=np.int64)
     widths = ends - starts
     if widths.size and (widths != widths[0]).any():
         raise RuntimeError("vLLM returned prompt logprobs of uneven width; cannot align positions")

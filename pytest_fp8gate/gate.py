@@ -14,17 +14,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import roofline, rules
+from . import generation_verdicts, roofline, rules
 from .answers import AnswerComparison
 from .commands import compare_logprobs_command, flips_command, roofline_command
 from .comparisons import Comparisons, Measured
 from .errors import GateError, RooflineError
 from .logprobs import TOPK_KL, LogprobComparison
-from .options import display_path
 from .record import PASS_DESCRIPTIONS, ModelResult
 from .rules import RuleOutcome
 from .spec import GateConfig, SpeedSpec, TaskLimits, TaskSpec
-from .verdict import Case, Verdict
+from .verdict import Case, Verdict, limit_setting
 from .verdict import number as _number
 
 FLIP_EXAMPLES = 3
@@ -36,9 +35,13 @@ class Gate:
     def __init__(self, config: GateConfig, measurements: Measured) -> None:
         self.measurements = measurements
         self.comparisons = Comparisons(config, measurements)  # shared with the markdown report
-        # The evidence each rule's judge is given; probability rules share one, driven by their row.
+        # The evidence each rule's judge is given; probability rules share one, driven by their row, and
+        # so do the decode phase's (generation_verdicts.decode_phase).
         self._judges: dict[str, Callable[[Case], Verdict]] = {rules.ACCURACY: self.accuracy, rules.FLIPS: self.flips,
-                                                              rules.SPEED: self.speed}
+                                                              rules.SPEED: self.speed,
+                                                              rules.DECODE_GAP: self.decode_gap,
+                                                              rules.LENGTH_DRIFT: self.length_drift,
+                                                              rules.INVALID_RATE: self.invalid_rate}
 
     @property
     def config(self) -> GateConfig:
@@ -53,11 +56,16 @@ class Gate:
         rule = rules.BY_NAME.get(case.rule)
         if rule is None:
             raise GateError(f"unknown rule {case.rule!r}; expected one of {', '.join(rules.BY_NAME)}")
-        verdict = self.probability(case) if rule.kind == "probability" else self._judges[rule.name](case)
+        if rule.kind == "probability":
+            verdict = self.probability(case)
+        elif rule.kind == "decode" and rule.bound is not None:  # the probability rules on generated positions
+            verdict = generation_verdicts.decode_phase(self.comparisons, case)
+        else:
+            verdict = self._judges[rule.name](case)
         return dataclasses.replace(verdict, served=self.measurements.candidate(case.candidate).served_otherwise)
 
     def _limit(self, key: str, value: Any) -> str:
-        return f"{display_path(self.config.path)} {key} = {value:g}"
+        return limit_setting(self.config, key, value)
 
     # ---- check one: probabilities on the same text ---------------------------
 
@@ -89,6 +97,7 @@ class Gate:
         if limits.limit_se > 0:
             notes.append(f"judged like accuracy: fails only when the limit is missed by more than "
                          f"{limits.limit_se:g} SE of the candidate's figure (limit_se; 0 judges the point estimate)")
+        notes += generation_verdicts.candidate_noise_notes(self.comparisons, case.candidate)
         notes.append(f"{comparison.positions} positions; same top {comparison.same_top:.5f} "
                      f"± {comparison.same_top_se:.5f}, RMS Δp {comparison.rms_dp:.5f}, "
                      f"PPL ratio {comparison.ppl_ratio:.6f}")
@@ -185,6 +194,17 @@ class Gate:
         return {"comparison": summary,
                 "noise_floor": {label: {k: v for k, v in c.as_dict().items() if k != "flipped"}
                                 for label, c in floors.items()}}
+
+    # ---- on generated text (issue 22): evidence in generation_verdicts ------
+
+    def decode_gap(self, case: Case) -> Verdict:
+        return generation_verdicts.decode_gap(self.comparisons, case)
+
+    def length_drift(self, case: Case) -> Verdict:
+        return generation_verdicts.length_drift_verdict(self.comparisons, self._task(case.task), case)
+
+    def invalid_rate(self, case: Case) -> Verdict:
+        return generation_verdicts.invalid_rate_verdict(self.comparisons, self._task(case.task), case)
 
     # ---- speed last ----------------------------------------------------------
 

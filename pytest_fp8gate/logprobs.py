@@ -26,6 +26,7 @@ __all__ = [
     "LogprobRun",
     "compare_logprobs",
     "kl_per_position",
+    "logprobs_on_base_ids",
 ]
 
 # Labels and percentile ranks in the order llama.cpp prints its KLD summary.
@@ -289,6 +290,14 @@ def kl_per_position(base: LogprobRun, cand: LogprobRun) -> tuple[str, np.ndarray
     if np.isnan(base.top_logprobs).all() or np.isnan(cand_source).all():
         return "unavailable", None
     return TOPK_KL, _topk_kl_lower_bound(base, cand)
+
+
+def logprobs_on_base_ids(base: LogprobRun, cand: LogprobRun) -> np.ndarray:
+    """The candidate's log-probs on the baseline's top-k ids, [N, k_base], NaN where unknown:
+    scored on those ids where the engine could, else found in the candidate's own top-k."""
+    if cand.logprobs_on_base_ids is not None:
+        return cand.logprobs_on_base_ids
+    return _lookup_on_base_ids(base.top_ids, cand.top_ids, cand.top_logprobs).T
 
 
 def _blockwise(n: int, block: int, kl_of: Callable[[slice], np.ndarray]) -> np.ndarray:

@@ -19,6 +19,7 @@ from .answers import AnswerComparison, FlippedAnswer
 from .commands import compare_logprobs_command, flips_command
 from .comparisons import Comparisons, Recorded
 from .dumps import read_lm_eval_generations
+from .generation_verdicts import SIDE_BY_SIDE
 from .options import display_path
 from .record import PASS_DESCRIPTIONS, BaselineRecord, ModelResult
 from .spec import GateConfig, TaskSpec
@@ -117,6 +118,7 @@ class _Candidate:
         # Outside the table: a skip reason is a sentence, and would make every row that wide.
         lines += [f"Not judged: {case.rule}{f' on {case.task}' if case.task else ''}: {why}" for case, why in unjudged]
         lines += [""] if unjudged else []
+        lines += _decode_lines(self.verdicts)
         lines += self.speed_lines() + [""]
         for task in self.data.config.tasks:
             lines += self.flip_lines(task)
@@ -349,3 +351,13 @@ def write(data: ReportData, path: Path | None) -> list[Path]:
             handle.write(rendered.summary)
         written.append(Path(summary))
     return written
+
+
+def _decode_lines(verdicts: list[Verdict]) -> list[str]:
+    """The decode-phase figures beside the prefill figures, once per candidate (the decode verdicts' details)."""
+    seen: list[str] = []
+    for verdict in verdicts:
+        line = verdict.details.get(SIDE_BY_SIDE)
+        if line and line not in seen:
+            seen.append(line)
+    return [f"Decode phase: {line}" for line in seen] + ([""] if seen else [])

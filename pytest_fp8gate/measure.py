@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import capabilities as capabilities_mod
-from . import checkpoint, gpu_bandwidths, hardware, preflight, provenance
+from . import checkpoint, decode_passes, gpu_bandwidths, hardware, preflight, provenance
 from . import corpus as corpus_mod
 from . import stack as stack_mod
 from .atomic import atomic_write_text
@@ -28,7 +28,7 @@ from .dumps import RUN_ID, write_logprob_dump
 from .engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine, applied_env
 from .errors import Fp8GateError, IdScoringUnavailable, MeasurementError
 from .logprobs import LogprobRun
-from .record import NOISE_STRIDE, BaselineRecord, ModelResult, Needs, PassResult
+from .record import NOISE_STRIDE, BaselineRecord, DecodeResult, ModelResult, Needs, PassResult
 from .spec import BATCH_ORDER_PASS, FP16_PASS, GateConfig, ModelSpec, TaskSpec
 
 if TYPE_CHECKING:
@@ -70,6 +70,12 @@ class Measurements:
         self._failures: dict[str, BaseException] = {}
         # Why the engine could not score the baseline's top-k ids (None: it could, or was not asked).
         self.id_scoring_refusal: str | None = None
+        # The decode phase (decode_passes), by model name; and the baseline noise passes' prefills
+        # of the baseline's continuations, by pass label.
+        self.decode: dict[str, DecodeResult] = {}
+        self.decode_floor: dict[str, LogprobRun] = {}
+        # [noise] candidate_passes: each candidate against itself, by candidate name and pass label.
+        self.candidate_noise: dict[str, dict[str, PassResult]] = {}
 
     # ---- public ------------------------------------------------------------
 
@@ -208,7 +214,9 @@ class Measurements:
         if problem:
             raise MeasurementError(problem)
         # The seam of the baseline cache: it returns a stored record, or measures one and stores it.
-        if self.baseline_cache is None:
+        if self.baseline_cache is not None and self._all_needs().decode:
+            self.announce("fp8gate: baseline cache not used: it does not store the decode phase yet")
+        if self.baseline_cache is None or self._all_needs().decode:
             record = self._measure_baseline_engines()
         else:
             spec = self.config.baseline
@@ -223,20 +231,25 @@ class Measurements:
     def _measure_baseline_engines(self) -> BaselineRecord:
         spec, needs = self.config.baseline, self._all_needs()
         # Only the probability and answer rules read a noise floor: a speed-only run starts no noise engine.
-        passes = self.config.noise.passes if needs.probabilities or needs.tasks else ()
+        passes = self.config.noise.passes if needs.probabilities or needs.tasks or needs.decode else ()
         problem = preflight.hub_problem(self.config, self.needs) or self._fewshot_problem(needs.tasks)
         if problem:
             raise MeasurementError(problem)
         with self._running(spec, spec.name) as engine:
-            if needs.probabilities:
+            if needs.probabilities or needs.decode:
                 assert self.config.probabilities is not None
                 self._chunks = corpus_mod.chunk_corpus(engine, self.config.probabilities, self.config.path)
             self._baseline = self._measure_with(engine, spec, needs)
             if BATCH_ORDER_PASS in passes:
                 self._noise[BATCH_ORDER_PASS] = self._passes(engine, spec, needs, BATCH_ORDER_PASS, BATCH_ORDER)
+            # After the passes without it, so that what it leaves in the prefix cache changes none of them.
+            self._measure_decode(engine, spec, needs)
+            if BATCH_ORDER_PASS in passes:
+                self._decode_floor(engine, needs, BATCH_ORDER_PASS, BATCH_ORDER)
         if FP16_PASS in passes:
             with self._running(spec, f"{spec.name}-fp16", dtype="float16") as engine:
                 self._noise[FP16_PASS] = self._passes(engine, spec, needs, FP16_PASS)
+                self._decode_floor(engine, needs, FP16_PASS, ALL_AT_ONCE)
         self._write_provenance(spec)
         return BaselineRecord(self._baseline, dict(self._noise), self._chunks, self.id_scoring_refusal,
                               [run for run in self.engine_runs if run["name"] == spec.name])
@@ -244,8 +257,36 @@ class Measurements:
     def _measure_model(self, spec: ModelSpec, needs: Needs) -> ModelResult:
         with self._running(spec, spec.name) as engine:
             result = self._measure_with(engine, spec, needs)
+            self._measure_decode(engine, spec, needs)
+            # The candidate against itself in another batch order: is it noisier than its baseline?
+            own_floor = Needs(needs.probabilities, needs.tasks)
+            self.candidate_noise[spec.name] = {
+                label: self._passes(engine, spec, own_floor, label, BATCH_ORDER)
+                for label in self.config.noise.candidate_passes}
         self._write_provenance(spec)
         return result
+
+    def _decode_floor(self, engine: Engine, needs: Needs, label: str, layout: BatchLayout) -> None:
+        """A baseline noise pass's prefill of the baseline's continuations (the decode phase's floor)."""
+        if needs.decode:
+            assert self.config.probabilities is not None
+            self.decode_floor[label] = decode_passes.score_by_prefill(
+                engine, self.decode[self.config.baseline.name].own, self.config.probabilities.top_k,
+                self._full_vocab_wanted(), layout)
+
+    def _measure_decode(self, engine: Engine, spec: ModelSpec, needs: Needs) -> None:
+        """The decode phase of one model (decode_passes): the baseline's first, then each candidate's."""
+        if not needs.decode or self.config.decode is None or self.config.probabilities is None:
+            return
+        started = time.perf_counter()
+        baseline = self.decode.get(self.config.baseline.name)
+        self.decode[spec.name] = decode_passes.measure_model(
+            engine, decode_passes.decode_prompts(self._chunks, self.config.decode), self.config.decode,
+            self.config.probabilities.top_k, self._full_vocab_wanted(), baseline.own if baseline else None,
+            ALL_AT_ONCE)
+        decode_passes.write_dumps(self.artifacts / spec.name / "decode", self.decode[spec.name],
+                                  {"model": spec.model, "name": spec.name, RUN_ID: self.run_id})
+        self.announce(f"fp8gate: measured {spec.name} [decode]: {time.perf_counter() - started:.1f} s")
 
     def _measure_with(self, engine: Engine, spec: ModelSpec, needs: Needs) -> ModelResult:
         main = self._passes(engine, spec, needs, "main")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .answers import AnswerRecord
+from .decode_phase import DecodeRun
 from .dumps import read_lm_eval_samples
 from .engine import Latency
 from .logprobs import LogprobRun
@@ -41,9 +42,11 @@ class Needs:
     probabilities: bool = False
     tasks: frozenset[str] = frozenset()
     speed: bool = False
+    decode: bool = False  # the decode phase (decode_passes): continuations, and prefills of their ids
 
     def __or__(self, other: "Needs") -> "Needs":
-        return Needs(self.probabilities or other.probabilities, self.tasks | other.tasks, self.speed or other.speed)
+        return Needs(self.probabilities or other.probabilities, self.tasks | other.tasks, self.speed or other.speed,
+                     self.decode or other.decode)
 
 
 @dataclass
@@ -75,6 +78,21 @@ class ModelResult:
     # How the engine served the model when that is not what its name says (FP8 layers through a
     # weight-only kernel), from its engine's stack fingerprint.
     served_otherwise: str | None = None
+
+
+@dataclass
+class DecodeResult:
+    """One model's decode phase: its own continuations (decode-time log-probs), its prefill of
+    them, and its prefill of the baseline's continuations (None for the baseline itself)."""
+
+    own: DecodeRun
+    own_prefill: LogprobRun
+    on_baseline: LogprobRun | None = None
+    dumps: dict[str, Path] = field(default_factory=dict)  # as decode_passes.write_dumps wrote them
+
+
+# The dumps of one model's decode phase: its decode-time rows, its prefill of them, its prefill of the baseline's.
+DECODE_DUMP, PREFILL_DUMP, ON_BASELINE_DUMP = "decode", "prefill", "on_baseline"
 
 
 @dataclass

@@ -45,6 +45,11 @@ Row = tuple[str, float]
 
 # The names of the rules judged by a function of their own (the probability rules' names are in RULES).
 ACCURACY, FLIPS, SPEED = "accuracy", "flips", "speed"
+# Optional task rules on the answers' form (collected only where their limit is set).
+LENGTH_DRIFT, INVALID_RATE = "length_drift", "invalid_rate"
+# The decode phase's rules (generation_verdicts.py gathers their evidence); DECODE_GAP is the candidate's own
+# decode-vs-prefill gap, the others compare it with the baseline on the baseline's continuations.
+DECODE_PREFIX, DECODE_GAP = "decode_", "decode_gap"
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ class RuleOutcome:
     rows: tuple[Row, ...]  # for display: label and value, side by side
     limit_key: str = ""  # the setting whose limit bound, e.g. "max_mean_kl" or "floor_ratio"
     figures: Mapping[str, float] = field(default_factory=dict)  # named numbers the verdict and report read
-    bound_by: str | None = None  # the speed rule's overhead-bound branch: which model ("candidate", "baseline")
+    bound_by: str | None = None  # what bound besides the setting: the overhead-bound model, the invalid rate's floor
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -390,6 +395,55 @@ def decode_speed(
                     "min_share_of_baseline", figures)
 
 
+def at_most_or_floor(metric_name: str, measured: float, reference: float, floor_value: float | None,
+                     floor_ratio: float, *, measured_se: float = 0.0, k_se: float = 0.0,
+                     keys: tuple[str, str] = ("reference", "floor_ratio")) -> RuleOutcome:
+    """Pass when ``measured`` is at most ``reference`` or ``floor_ratio`` x the noise floor's own
+    figure, whichever is larger: unlike ``at_most``'s floor limit, which tightens the reference,
+    this one only widens it, for figures a valid baseline itself shows (its decode-vs-prefill gap
+    on a GPU, the drift of its re-run answers). ``measured_se``/``k_se`` and ``keys`` as in ``at_least``."""
+    rows: list[Row] = [("reference", reference)]
+    limit, limit_key = reference, keys[0]
+    figures: dict[str, float] = {}
+    if floor_value is not None:
+        rows += [("noise floor", floor_value), (f"{floor_ratio:g} x noise floor", floor_ratio * floor_value)]
+        figures["noise_floor"] = floor_value
+        if floor_ratio * floor_value > limit:
+            limit, limit_key = floor_ratio * floor_value, keys[1]
+    rows.append(("candidate", measured))
+    if k_se > 0:
+        rows.append((f"candidate SE (fails beyond {k_se:g} SE)", measured_se))
+    return _outcome(metric_name, measured, limit, limit - measured + k_se * measured_se, rows, limit_key, figures)
+
+
+def length_drift_within(drift: float, floor_drift: float | None, max_drift: float, floor_ratio: float) -> RuleOutcome:
+    """|mean output-length change| at most ``max_drift``, or ``floor_ratio`` x the noise floor's own
+    |drift| where that is larger (the floor's answers drift too; the task's ``flips_ratio``)."""
+    return at_most_or_floor(LENGTH_DRIFT, abs(drift), max_drift, None if floor_drift is None else abs(floor_drift),
+                            floor_ratio, keys=("max_length_drift", "flips_ratio"))
+
+
+def invalid_rate_within(base_rate: float, cand_rate: float, floor_rate: float | None, questions: int,
+                        max_increase: float, k: float) -> RuleOutcome:
+    """The candidate's share of unparsable answers at most the baseline's plus ``max_increase``
+    (or plus the worst noise pass's own rise, if larger), judged like accuracy: only a miss by more
+    than k SE = k sqrt(p(1-p)/n) of the candidate's rate fails. ``max_increase`` is the setting
+    either way (the floor's rise has none); ``bound_by`` says "noise floor" where its rise bound."""
+    floor_rise = (floor_rate - base_rate) if floor_rate is not None else 0.0
+    allowance = max(max_increase, floor_rise)
+    limit = base_rate + allowance
+    se = binomial_se(cand_rate, questions)
+    rows: list[Row] = [("questions", questions), ("baseline invalid rate", base_rate)]
+    figures = {"baseline_rate": base_rate, "allowed_rise": allowance}
+    if floor_rate is not None:
+        rows.append(("noise floor invalid rate", floor_rate))
+        figures["noise_floor"] = floor_rate
+    rows += [("allowed rise", allowance), ("candidate invalid rate", cand_rate),
+             (f"candidate SE (fails beyond {k:g} SE)", se)]
+    return _outcome(INVALID_RATE, cand_rate, limit, limit - cand_rate + k * se, rows, "max_invalid_increase",
+                    figures, bound_by="noise floor" if floor_rise > max_increase else None)
+
+
 def is_overhead_bound(speed: DecodeSpeed, overhead_bound_below: float) -> bool:
     """Bytes explain too little of the step time for the bandwidth ceiling to apply."""
     return speed.share < overhead_bound_below
@@ -403,15 +457,18 @@ class Rule:
     report's and the summary's "rule". ``test`` is its test function in
     suite.py (the ids are public). ``kind`` says what it needs measured and how
     its cases are formed: per candidate ("probability", "speed") or per
-    candidate and task ("task"). ``limit_key`` is its limit's key in
-    [probabilities.limits], a task's limits or [speed]; a probability rule is
-    collected only where that limit is set. A probability rule is decided by
-    its ``bound``, any other rule by its ``judge``: functions of measured numbers.
+    candidate and task ("task"), or per candidate on generated text ("decode").
+    ``limit_key`` is its limit's key in [probabilities.limits], [decode.limits],
+    a task's limits or [speed]; a probability or decode rule, and a task rule
+    whose limit has no default, is collected only where that limit is set. A
+    probability rule, and a decode rule on the baseline's continuations, is
+    decided by its ``bound``, any other rule by its ``judge``: functions of
+    measured numbers.
     """
 
     name: str
     test: str
-    kind: Literal["probability", "task", "speed"]
+    kind: Literal["probability", "task", "speed", "decode"]
     limit_key: str
     bound: Callable[..., RuleOutcome] | None = None  # probability rules: at_least or at_most the limit
     ideal: float | None = None  # probability rules: the metric for two identical runs
@@ -428,6 +485,13 @@ RULES: tuple[Rule, ...] = (
     Rule("mean_kl", "test_kl_within_limit", "probability", "max_mean_kl", at_most, 0.0, "kl_se"),
     Rule("ppl_ratio", "test_ppl_ratio_within_limit", "probability", "max_ppl_ratio", at_most, 1.0, "ppl_ratio_se"),
     Rule(SPEED, "test_decode_speed_near_ceiling", "speed", "min_share_of_baseline", judge=decode_speed),
+    # Optional additions (issue 22): fidelity on generated text and the answers' form.
+    Rule("decode_same_top", "test_decode_same_top", "decode", "min_same_top", at_least, 1.0, "same_top_se"),
+    Rule("decode_rms_dp", "test_decode_rms_dp", "decode", "max_rms_dp", at_most, 0.0, "rms_dp_se"),
+    Rule("decode_mean_kl", "test_decode_kl", "decode", "max_mean_kl", at_most, 0.0, "kl_se"),
+    Rule(DECODE_GAP, "test_decode_vs_prefill_gap", "decode", "max_gap_kl", judge=at_most_or_floor),
+    Rule(LENGTH_DRIFT, "test_output_length_drift", "task", "max_length_drift", judge=length_drift_within),
+    Rule(INVALID_RATE, "test_invalid_rate", "task", "max_invalid_increase", judge=invalid_rate_within),
 )
 BY_NAME = {rule.name: rule for rule in RULES}
 BY_TEST = {rule.test: rule for rule in RULES}

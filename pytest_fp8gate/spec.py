@@ -39,6 +39,8 @@ NOISE_PASSES = (BATCH_ORDER_PASS, FP16_PASS)
 @dataclass(frozen=True)
 class NoiseSpec:
     passes: tuple[str, ...] = (BATCH_ORDER_PASS,)
+    # The candidate against itself (its own floor, beside the baseline's); none by default.
+    candidate_passes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,9 @@ class TaskLimits:
     # many SEs (sqrt(p(1-p)/n) at that figure) it may miss it by before the harness is called broken.
     expected_accuracy: float | None = None
     expected_accuracy_se: float = 3.0
+    # Optional output sanity rules (None: not collected): |mean length change| and invalid-answer rise.
+    max_length_drift: float | None = None
+    max_invalid_increase: float | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,30 @@ class SpeedSpec:
 
 
 @dataclass(frozen=True)
+class DecodeLimits:
+    """Limits on generated positions; every one optional (an unset one collects no rule)."""
+
+    min_same_top: float | None = None
+    max_rms_dp: float | None = None
+    max_mean_kl: float | None = None
+    max_gap_kl: float | None = None  # the candidate's own decode-vs-prefill mean KL
+    # The decode-phase figures' distance from ideal at most this times the floor's; None: no floor limit.
+    floor_ratio: float | None = None
+    gap_ratio: float = 3.0  # the candidate's gap may also reach this times the baseline's own gap
+    limit_se: float = 1.0
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """The baseline writes greedy continuations of the probability chunks' first prompt_tokens."""
+
+    prompts: int = 8
+    prompt_tokens: int = 256
+    new_tokens: int = 256
+    limits: DecodeLimits = DecodeLimits()
+
+
+@dataclass(frozen=True)
 class GateConfig:
     path: Path  # absolute
     baseline: ModelSpec
@@ -151,3 +180,4 @@ class GateConfig:
     # Run each engine core inside the pytest process (VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM
     # then schedules requests the same way every run instead of as they reach a child process.
     deterministic_scheduling: bool = False
+    decode: DecodeSpec | None = None  # the decode-phase check; needs [probabilities] for its prompts

@@ -44,3 +44,27 @@ def test_kl_within_limit(fp8gate: GateSession, case, request: pytest.FixtureRequ
 
 def test_decode_speed_near_ceiling(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
     fp8gate.enforce(case, request.node)
+
+
+def test_decode_same_top(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_decode_rms_dp(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_decode_kl(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_decode_vs_prefill_gap(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_output_length_drift(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_invalid_rate(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)

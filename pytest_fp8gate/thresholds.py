@@ -19,9 +19,12 @@ from . import checkpoint, engine_args, gpu_bandwidths, roofline
 from .errors import CheckpointError, ConfigError, RooflineError, UnsupportedEngine
 from .rules import FLIP_RULES, RULES, SPEED_RULES
 from .spec import (
+    BATCH_ORDER_PASS,
     NOISE_PASSES,
     WIKITEXT_2,
     DatasetCorpus,
+    DecodeLimits,
+    DecodeSpec,
     FileCorpus,
     GateConfig,
     ModelSpec,
@@ -198,6 +201,16 @@ def _passes(value: Any) -> list[str]:
     return passes
 
 
+def _candidate_passes(value: Any) -> list[str]:
+    if not isinstance(value, list):
+        raise _Invalid(f'expected an array, [] or ["batch-order"], got {_show(value)}')
+    check = _text((BATCH_ORDER_PASS,))
+    passes = [check(item) for item in value]
+    if len(set(passes)) != len(passes):
+        raise _Invalid(f"expected each pass at most once, got {passes}")
+    return passes
+
+
 # Engine keys whose values the gate checks more strictly than their vLLM type (ranges, names), all
 # EngineArgs fields in every supported vLLM release: a table of only these needs no vLLM import
 # (seconds, torch included). Every other key is checked against the installed vLLM's EngineArgs.
@@ -283,7 +296,20 @@ _TASK_LIMIT_CHECKS = {
     "min_baseline_accuracy": _FRACTION,
     "expected_accuracy": _FRACTION,
     "expected_accuracy_se": _number(0, low_open=True),
+    "max_length_drift": _number(0, low_open=True),
+    "max_invalid_increase": _FRACTION,
 }
+_DECODE_CHECKS = {"prompts": _integer(1), "prompt_tokens": _integer(1), "new_tokens": _integer(1)}
+_DECODE_LIMIT_CHECKS = {
+    "min_same_top": _POSITIVE_FRACTION,
+    "max_rms_dp": _FRACTION,
+    "max_mean_kl": _number(0),
+    "max_gap_kl": _number(0),
+    "floor_ratio": _RATIO,
+    "gap_ratio": _RATIO,
+    "limit_se": _number(0),
+}
+_DECODE_METRIC_LIMITS = tuple(rule.limit_key for rule in RULES if rule.kind == "decode")
 _SPEED_CHECKS = {
     "input_len": _integer(1),
     "output_len": _integer(1),
@@ -353,7 +379,7 @@ class _Parser:
 
     def gate(self, raw: dict[str, Any], path: Path) -> GateConfig:
         top = _Table(self, "", raw, ("device", "deterministic_scheduling", "baseline", "candidates", "noise",
-                                     "probabilities", "tasks", "speed"))
+                                     "probabilities", "decode", "tasks", "speed"))
         if "baseline" not in raw:
             raise self.error("baseline", "missing required table [baseline]")
         baseline = self.model_spec(top.table("baseline", _MODEL_KEYS), None)
@@ -374,7 +400,7 @@ class _Parser:
             path=path,
             baseline=baseline,
             candidates=candidates,
-            noise=self.noise(top.table("noise", ("passes",))),
+            noise=self.noise(top.table("noise", ("passes", "candidate_passes"))),
             probabilities=self.probabilities(top.table("probabilities", _PROBABILITY_KEYS))
             if "probabilities" in raw
             else None,
@@ -382,9 +408,11 @@ class _Parser:
             speed=self.speed(top.table("speed", _SPEED_CHECKS)) if "speed" in raw else None,
             device=top.get("device", _text(("cuda", "cpu")), "cuda"),
             deterministic_scheduling=top.get("deterministic_scheduling", _boolean, False),
+            decode=self.decode(top.table("decode", (*_DECODE_CHECKS, "limits"))) if "decode" in raw else None,
         )
         if config.probabilities is None and not config.tasks and config.speed is None:
             raise self.error("(top level)", "expected at least one check: [probabilities], [[tasks]] or [speed]")
+        self.check_decode_prompts(config)
         self.check_context_fits(config)
         self.check_top_k_fits(config)
         self.check_speed_models(config)
@@ -509,7 +537,31 @@ class _Parser:
     # checks
 
     def noise(self, table: _Table) -> NoiseSpec:
-        return NoiseSpec(tuple(table.get("passes", _passes, NoiseSpec.passes)))
+        return NoiseSpec(tuple(table.get("passes", _passes, NoiseSpec.passes)),
+                         tuple(table.get("candidate_passes", _candidate_passes, NoiseSpec.candidate_passes)))
+
+    def decode(self, table: _Table) -> DecodeSpec:
+        limits = table.table("limits", _DECODE_LIMIT_CHECKS)
+        if not any(key in limits.raw for key in _DECODE_METRIC_LIMITS):
+            expected = ", ".join(_DECODE_METRIC_LIMITS)
+            raise self.error(limits.where, f"expected at least one of {expected}; nothing is gated")
+        return DecodeSpec(limits=DecodeLimits(**limits.values(DecodeLimits, _DECODE_LIMIT_CHECKS)),
+                          **table.values(DecodeSpec, _DECODE_CHECKS))
+
+    def check_decode_prompts(self, config: GateConfig) -> None:
+        """The decode prompts are prefixes of the probability chunks: they need [probabilities] and must fit."""
+        decode, probabilities = config.decode, config.probabilities
+        if decode is None:
+            return
+        if probabilities is None:
+            raise self.error("decode", "needs [probabilities]: its prompts are the first prompt_tokens of the "
+                                       "probability chunks")
+        if decode.prompts > probabilities.chunks:
+            raise self.error("decode.prompts", f"{decode.prompts} prompts but probabilities.chunks is "
+                                               f"{probabilities.chunks}; each prompt is a prefix of one chunk")
+        if decode.prompt_tokens > probabilities.chunk_tokens:
+            raise self.error("decode.prompt_tokens", f"{decode.prompt_tokens} exceeds probabilities.chunk_tokens "
+                                                     f"({probabilities.chunk_tokens}); each prompt is a chunk's prefix")
 
     def probabilities(self, table: _Table) -> ProbabilitySpec:
         limits = table.table("limits", _PROBABILITY_LIMIT_CHECKS)
@@ -613,6 +665,10 @@ class _Parser:
         if config.speed:
             tokens = config.speed.input_len + config.speed.output_len
             needs.append(("speed.output_len", tokens, " (input_len + output_len)"))
+        if config.decode:
+            # A prefill of prompt + continuation is scored while generating one token after it.
+            tokens = config.decode.prompt_tokens + config.decode.new_tokens + 1
+            needs.append(("decode.new_tokens", tokens, " (prompt_tokens + new_tokens + 1)"))
         specs = {"baseline": config.baseline, **_indexed("candidates", config.candidates)}
         for where, spec in specs.items():
             limit = spec.engine.get("max_model_len")

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .options import display_path
 from .rules import RuleOutcome
+from .spec import GateConfig
 
 
 @dataclass(frozen=True)
@@ -62,3 +64,8 @@ class Verdict:
 def number(value: float) -> str:
     """A rule's number as the explanations print it."""
     return f"{value:.6g}"
+
+
+def limit_setting(config: GateConfig, key: str, value: float) -> str:
+    """Where a verdict's limit is set: "thresholds.toml probabilities.limits.max_mean_kl = 0.01"."""
+    return f"{display_path(config.path)} {key} = {value:g}"

@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from pytest_fp8gate import capabilities
+from pytest_fp8gate import capabilities, rules
 from pytest_fp8gate.dumps import write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
 from pytest_fp8gate.errors import IdScoringUnavailable
@@ -50,11 +50,18 @@ from pytest_fp8gate.spec import GateConfig, ModelSpec
 from pytest_fp8gate.thresholds import load_config
 
 BOS, EOS = 256, 257
+# The rules on generated text (issue 22): the decode phase's and the answers' form.
+GENERATION_RULES = frozenset({rule.name for rule in rules.RULES if rule.kind == "decode"}
+                             | {rules.LENGTH_DRIFT, rules.INVALID_RATE})
 VOCAB = 259  # bytes, BOS, EOS and one unused id, like the embedded model's
 KV_CACHE_TOKENS = 4096
 BASELINE_ERROR_RATE = 0.2  # every model shares these wrong answers
 FP16_NOISE = 0.004  # the float16 noise engine's own perturbation of the logits
 LAYOUT_NOISE = 0.002  # a batch layout other than all at once (the batch-order pass)
+# Decoding reads a "KV cache" that adds this perturbation of its own, so every model's decode differs
+# a little from its prefill (as on GPUs); FakeModel.decode_noise adds a broken cache's on top.
+DECODE_NOISE = 0.002
+DECODE_SEED = 22
 # SamplingParams fields of vLLM 0.33 that the gate reads (0.26 lacks the last).
 FIELDS_0_33 = ("max_tokens", "prompt_logprobs", "flat_logprobs", "detokenize", "prompt_logprob_token_ids")
 
@@ -86,6 +93,8 @@ class FakeModel:
     flip_rate: float = 0.0  # share of questions it answers otherwise than the baseline
     seed: int = 1
     decode_tok_s: float = 100.0
+    decode_noise: float = 0.0  # std of a perturbation its decode alone adds (a broken KV-cache path)
+    invalid_rate: float = 0.0  # share of questions answered with no "####" line (no parsable answer)
     fail_start: str | None = None  # the start raises RuntimeError(fail_start)
 
 
@@ -190,9 +199,24 @@ class FakeEngine(Engine):
         self.calls.append(("prompt_logprobs", self.spec.name, layout, len(chunks)))
         rows = np.concatenate([self._logprobs(c, layout) for c in chunks])
         tokens = np.concatenate([np.asarray(c[1:], dtype=np.int64) for c in chunks])
-        top = np.argsort(-rows, axis=1, kind="stable")[:, :top_k]
-        return LogprobRun(rows[np.arange(len(tokens)), tokens], top, np.take_along_axis(rows, top, axis=1),
-                          full_logprobs=rows.astype(np.float32) if full_vocab else None, token_ids=tokens)
+        return _run(rows, tokens, top_k, full_vocab)
+
+    def generate_with_logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int, top_k: int,
+                               full_vocab: bool, layout: BatchLayout = ALL_AT_ONCE
+                               ) -> list[tuple[tuple[int, ...], LogprobRun]]:
+        self.calls.append(("generate_with_logprobs", self.spec.name, layout, len(prompts)))
+        cache = _noise(DECODE_SEED) * (DECODE_NOISE + self.model.decode_noise)
+        results = []
+        for prompt in prompts:
+            ids, rows = list(prompt), []
+            for _ in range(max_tokens):
+                row = self._logprobs([ids[-1], 0], layout)[0] + cache[ids[-1]]  # the distribution after ids[-1]
+                row = row - np.logaddexp.reduce(row)
+                rows.append(row)
+                ids.append(int(row.argmax()))
+            generated = np.asarray(ids[len(prompt):], dtype=np.int64)
+            results.append((tuple(int(i) for i in generated), _run(np.array(rows), generated, top_k, full_vocab)))
+        return results
 
     def logprobs_on_ids(self, chunks: Sequence[Sequence[int]], ids: np.ndarray) -> np.ndarray:
         self.calls.append(("logprobs_on_ids", self.spec.name))
@@ -217,7 +241,10 @@ class FakeEngine(Engine):
         wrong = _uniform("baseline", question) < BASELINE_ERROR_RATE
         if _uniform(self.model.seed, self._dtype, question) < self._flip_rate():
             wrong = not wrong
-        completion = f" The number is {asked + 1 if wrong else asked}.\n#### {asked + 1 if wrong else asked}\n\n"
+        answer = asked + 1 if wrong else asked
+        completion = f" The number is {answer}.\n#### {answer}\n\n"
+        if _uniform("invalid", self.model.seed, question) < self.model.invalid_rate:
+            completion = f" The number is {answer}, or so I believe after thinking it over at length.\n\n"
         for stop in stops:
             completion = completion.split(stop)[0] if stop else completion
         ids = self.tokenizer.encode(completion)[:max_tokens]
@@ -253,6 +280,13 @@ class FakeEngine(Engine):
 
 def _test_env() -> dict[str, str]:
     return {name: value for name, value in os.environ.items() if name.startswith("FP8GATE_TEST_")}
+
+
+def _run(rows: np.ndarray, tokens: np.ndarray, top_k: int, full_vocab: bool) -> LogprobRun:
+    """A LogprobRun of log-prob rows [N, vocab] over the real (or generated) tokens."""
+    top = np.argsort(-rows, axis=1, kind="stable")[:, :top_k]
+    return LogprobRun(rows[np.arange(len(tokens)), tokens], top, np.take_along_axis(rows, top, axis=1),
+                      full_logprobs=rows.astype(np.float32) if full_vocab else None, token_ids=tokens)
 
 
 def fake_engine_class(models: dict[str, FakeModel] | None = None, **settings: Any) -> type[FakeEngine]:

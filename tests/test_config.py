@@ -200,7 +200,7 @@ BAD_INPUTS = {
     ),
     "unknown section": (
         MINIMAL + "[extra]\n",
-        "extra: unknown key; expected one of: baseline, candidates, deterministic_scheduling, device, noise, "
+        "extra: unknown key; expected one of: baseline, candidates, decode, deterministic_scheduling, device, noise, "
         "probabilities, speed, tasks",
     ),
     "misspelled array of tables": (

