@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -131,7 +131,9 @@ class DecodeComparison:
     first_departures: tuple[int | None, ...]
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # The nested comparison serialises itself: its per-position KL array stays out of the JSON.
+        return {**asdict(replace(self, logprobs=replace(self.logprobs, kl_values=None))),
+                "logprobs": self.logprobs.as_dict()}
 
     @property
     def same_top(self) -> float:

@@ -3,6 +3,8 @@ additions (reverse KL, acceptance, first departure), and the answers' length and
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -75,6 +77,8 @@ def test_the_exact_reverse_kl_and_acceptance_are_their_definitions() -> None:
     assert kind == "exact" and np.allclose(acceptance, 1 - 0.5 * np.abs(p - q).sum(axis=1))  # 1 - TV
     comparison = compare_decode(base, cand)
     assert 0 < comparison.acceptance_rate < 1 and comparison.mean_reverse_kl > 0  # type: ignore[operator]
+    # The verdict's details go into the JSON report as they are: no per-position arrays.
+    assert json.loads(json.dumps(comparison.as_dict()))["logprobs"]["mean_kl"] == comparison.logprobs.mean_kl
 
 
 @pytest.mark.parametrize("top_k", [1, 3, 6])
