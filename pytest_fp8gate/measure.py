@@ -210,7 +210,12 @@ class Measurements:
         self.announce(f"fp8gate: engine start: {label} ({spec.model}, quantization={spec.quantization})")
         started_at, started = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
         memory = {"before_start": hardware.cuda_free_memory_mib()}
-        engine = self.engine_class(spec, max_logprobs=self._max_logprobs(), dtype=dtype)
+        engine_class = self.engine_class
+        if spec.served is not None:  # issue 20: a model behind an OpenAI-compatible server
+            from .served_engine import ServedEngine
+
+            engine_class = ServedEngine
+        engine = engine_class(spec, max_logprobs=self._max_logprobs(), dtype=dtype)
         note = capabilities_mod.version_note(engine.capabilities.vllm_version)
         if note:
             self.announce(f"fp8gate: {note}")
