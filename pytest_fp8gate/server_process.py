@@ -36,6 +36,7 @@ GATE_FLAGS = {
     "--api-key": "a key on the command line ends up in logs and artifacts; a server the gate starts needs none",
     "--uds": "the gate talks to its own servers over TCP on loopback",
 }
+VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")  # `vllm` of the gate's own environment
 STOP_GRACE_S = 15.0  # SIGTERM to SIGKILL of the server's process group
 POLL_S = 0.5
 _PR_SET_PDEATHSIG = 1
@@ -71,7 +72,7 @@ class ManagedServer:
         self.label = label
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
-        self.argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *argv,
+        self.argv = [*VLLM_CLI, *argv,
                      "--host", HOST, "--port", str(self.port), "--max-logprobs", str(max_logprobs)]
         self._log = tempfile.NamedTemporaryFile(prefix=f"fp8gate-{label}-", suffix=".log", delete=False)
         self.log_path = Path(self._log.name)
