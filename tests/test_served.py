@@ -143,7 +143,8 @@ def _gate_through(pytester: pytest.Pytester, knobs: Knobs, **keys: str) -> pytes
     (Knobs(model="other"), {}, "bf16 at http://127.0.0.1:*: serves other, not 'served-bf16'*"),
     (Knobs(api_key="right-key"), {"api_key_env": "FP8GATE_TEST_KEY"},
      "bf16 at http://127.0.0.1:*: /v1/models: HTTP 401: the API key was refused*"),
-    (Knobs(max_logprobs=2), {}, "bf16 at http://127.0.0.1:*: allows 2 prompt log-probs per position, the gate needs 5*"),
+    (Knobs(max_logprobs=2), {},
+     "bf16 at http://127.0.0.1:*: allows 2 prompt log-probs per position, the gate needs 5*"),
     (Knobs(shifted_tokenizer=True), {}, "bf16 at http://127.0.0.1:*: its tokenizer cuts a probe text into*"),
     (Knobs(redirect_to="http://localhost:9"), {}, "*redirects to another origin (http://localhost:9/v1/models); "
                                                    "the gate does not follow it*"),
