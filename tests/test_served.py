@@ -209,3 +209,19 @@ def test_a_server_that_exits_during_its_start_is_named(monkeypatch: pytest.Monke
                                             r"last log lines: ValueError: no such model$"):
         server.wait_healthy(30)
     assert server.argv[-6:] == ["--host", "127.0.0.1", "--port", str(server.port), "--max-logprobs", "5"]
+
+
+def test_the_served_demo_serves_each_demo_model_with_its_engine_settings(tmp_path: Path):
+    from pytest_fp8gate.demo.run import demo_config_text
+    from pytest_fp8gate.demo.served_demo import served_config_text
+
+    text = demo_config_text({}, {})
+    (tmp_path / "in-process.toml").write_text(text)
+    (tmp_path / "served.toml").write_text(served_config_text(text, tmp_path))
+    local, served = load_config(tmp_path / "in-process.toml"), load_config(tmp_path / "served.toml")
+    assert served.probabilities == local.probabilities and served.tasks == local.tasks
+    for mine, theirs in zip([served.baseline, *served.candidates], [local.baseline, *local.candidates], strict=True):
+        assert mine.served is not None and mine.served.managed
+        assert (mine.name, mine.model, mine.quantization) == (theirs.name, theirs.model, theirs.quantization)
+        assert {"max_model_len": 2048, "dtype": "bfloat16"}.items() <= mine.engine.items()
+        assert "--enforce-eager" in mine.served.command and "--gpu-memory-utilization" in mine.served.command

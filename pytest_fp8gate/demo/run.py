@@ -7,7 +7,8 @@ skips with that reason) and with an equally valid BF16 build (``bf16-rerounded``
 the control that must pass); each ``--plant KIND`` adds a planted regression as
 a further candidate, so one session loads the baseline once for all of them.
 ``--cuda`` runs the same demo on a CUDA GPU, speed rule included;
-``--questions N`` judges the first N task questions instead of all.
+``--questions N`` judges the first N task questions instead of all; ``--serve`` gates
+every model through a ``vllm serve`` process the gate starts (served_demo.py).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def demo_builds(source: Path, directory: Path) -> dict[str, Path]:
 
 
 def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda: bool = False,
-             questions: int | None = None) -> int:
+             questions: int | None = None, serve: bool = False) -> int:
     """Write the demo config (checkpoints, plants) under ``workdir`` and run pytest on it.
 
     The markdown report and its plots go to ``workdir/report.md`` unless
@@ -87,8 +88,12 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda
     source = embedded_assets().model
     plants = {kind: plant(kind, source, workdir / "plants" / kind) for kind in dict.fromkeys(plant_kinds)}
     config_path = workdir / "thresholds.toml"
-    atomic_write_text(config_path, demo_config_text(plants, demo_builds(source, workdir / "checkpoints"), cuda,
-                                                       questions))
+    text = demo_config_text(plants, demo_builds(source, workdir / "checkpoints"), cuda, questions)
+    if serve:  # issue 20
+        from .served_demo import served_config_text
+
+        text = served_config_text(text, workdir)
+    atomic_write_text(config_path, text)
     args = [str(config_path), "--fp8gate-config", str(config_path), "--rootdir", str(workdir),
             "--fp8gate-artifacts", str(workdir / "artifacts"), "--fp8gate-report", str(workdir / "report.md"),
             "-p", "no:cacheprovider", "-rfEs", *pytest_args]
@@ -114,10 +119,12 @@ def add_demo_command(subparsers: Any) -> None:
     parser.add_argument("--questions", type=_questions, default=None,
                         help=f"Judge the first N of the task's {TASK_QUESTIONS} questions "
                         "(default: all; fewer resolve less)")
+    parser.add_argument("--serve", action="store_true",
+                        help="Gate every model through a vllm serve process the gate starts, over HTTP")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="Arguments passed on to pytest")
     parser.set_defaults(run=lambda args: run_demo(args.plant, args.workdir,
                                                   [a for a in args.pytest_args if a != "--"], args.cuda,
-                                                  args.questions))
+                                                  args.questions, args.serve))
 
 
 def _questions(text: str) -> int:
