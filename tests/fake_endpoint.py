@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 VOCAB = 259
+STREAM_TOKEN_S = 0.005  # between streamed tokens
 
 
 @dataclass
@@ -129,4 +131,19 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != "/v1/completions":
             self._answer(404, {"error": "not found"})
             return
+        if body.get("stream"):
+            self._stream(int(body.get("max_tokens", 16)))
+            return
         self._answer(*self.endpoint.completion(body))
+
+    def _stream(self, tokens: int) -> None:
+        """One server-sent event a token, ``STREAM_TOKEN_S`` apart, then [DONE]."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i in range(tokens):
+            time.sleep(STREAM_TOKEN_S)
+            event = {"choices": [{"index": 0, "text": "x", "token_ids": [120]}]}
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")

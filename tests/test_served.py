@@ -225,3 +225,26 @@ def test_the_served_demo_serves_each_demo_model_with_its_engine_settings(tmp_pat
         assert (mine.name, mine.model, mine.quantization) == (theirs.name, theirs.model, theirs.quantization)
         assert {"max_model_len": 2048, "dtype": "bfloat16"}.items() <= mine.engine.items()
         assert "--enforce-eager" in mine.served.command and "--gpu-memory-utilization" in mine.served.command
+
+
+def test_latency_and_load_come_from_streamed_tokens():
+    from fake_endpoint import STREAM_TOKEN_S
+    from pytest_fp8gate import load
+    from pytest_fp8gate.served_engine import ServedEngine
+    from pytest_fp8gate.spec import ModelSpec, ServedSpec
+
+    with FakeEndpoint(Knobs()) as url:
+        spec = ModelSpec("bf16", MODEL, None, {}, ServedSpec("served-bf16", endpoint=url))
+        engine = ServedEngine(spec, max_logprobs=5)
+        latency = engine.latency(input_len=20, output_len=10, batch_size=1, warmup_iters=0, iters=2)
+        # Nine token gaps after the first: decode tok/s is 1 / the fake's gap, give or take scheduling.
+        assert 0.5 / STREAM_TOKEN_S < latency.decode_tok_s < 1.05 / STREAM_TOKEN_S
+        assert STREAM_TOKEN_S <= latency.median_prefill_s < latency.median_total_s
+        levels = [load.measure_level(engine.client, "served-bf16", c, 4, 20, 10, 259) for c in (1, 4)]
+        engine.shutdown()
+    for level in levels:
+        assert level.output_tokens == 40 and len(level.ttft_s) == len(level.tpot_s) == 4
+        assert STREAM_TOKEN_S <= level.as_dict()["tpot_p50_s"] < 2 * STREAM_TOKEN_S + 0.01
+    assert levels[1].output_tok_s > 1.5 * levels[0].output_tok_s  # four in flight beat one at a time
+    fractions = load.throughput_fractions(levels, levels)
+    assert fractions == {1: 1.0, 4: 1.0}
