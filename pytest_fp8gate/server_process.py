@@ -6,7 +6,9 @@ top of the gate's environment, plus the flags the gate controls
 stops its engine core and workers too; it is registered with ``lifecycle``
 (stopped on SIGTERM, SIGINT and exit, listed in the pid file against
 SIGKILL), and on Linux it is also sent SIGKILL by the kernel when the gate
-dies (``PR_SET_PDEATHSIG``), SIGKILL of the gate included.
+dies (``PR_SET_PDEATHSIG``), SIGKILL of the gate included, and a watchdog process stops
+the rest of its process group (the engine core) then: it reads a pipe whose other end
+only the gate holds, so it wakes however the gate ends.
 """
 
 from __future__ import annotations
@@ -40,6 +42,18 @@ VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")  # `vllm` of the 
 STOP_GRACE_S = 15.0  # SIGTERM to SIGKILL of the server's process group
 POLL_S = 0.5
 _PR_SET_PDEATHSIG = 1
+# Waits for the gate to end (EOF on stdin), then stops the server's process group.
+_WATCHDOG = """
+import os, signal, sys, time
+group = int(sys.argv[1])
+sys.stdin.buffer.read()
+for signum in (signal.SIGTERM, signal.SIGKILL):
+    try:
+        os.killpg(group, signum)
+    except (ProcessLookupError, PermissionError):
+        break
+    time.sleep(float(sys.argv[2]))
+"""
 
 
 def flag_conflict(argv: Sequence[str]) -> str | None:
@@ -85,6 +99,9 @@ class ManagedServer:
             lifecycle.abandon(label)
             raise
         self._tracked = lifecycle.track(label, lifecycle.child_pids() - before)
+        self._watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(self.process.pid), str(STOP_GRACE_S)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, start_new_session=True)
 
     def wait_healthy(self, timeout_s: float) -> float:
         """Seconds until ``/health`` answered 200; raises EndpointError (server stopped) if it never does."""
@@ -125,6 +142,9 @@ class ManagedServer:
         _signal_group(self.process.pid, signal.SIGKILL)  # whatever of the group outlived the server
         self.process.wait()
         lifecycle.release(self._tracked)
+        assert self._watchdog.stdin is not None
+        self._watchdog.stdin.close()  # its group is gone: it finds nothing to stop and exits
+        self._watchdog.wait()
         self._log.close()
 
 

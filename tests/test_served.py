@@ -248,3 +248,43 @@ def test_latency_and_load_come_from_streamed_tokens():
     assert levels[1].output_tok_s > 1.5 * levels[0].output_tok_s  # four in flight beat one at a time
     fractions = load.throughput_fractions(levels, levels)
     assert fractions == {1: 1.0, 4: 1.0}
+
+
+# A stand-in server that starts a child of its own, as vllm serve starts its engine core.
+SERVER_WITH_CHILD = """import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("child", child.pid, flush=True)
+time.sleep(600)
+"""
+GATE_WITH_SERVER = """import sys, time
+from pytest_fp8gate import server_process
+server_process.VLLM_CLI = (sys.executable, sys.argv[1])
+server = server_process.ManagedServer("bf16", ["serve", "model"], {}, max_logprobs=1)
+print("server", server.process.pid, server.log_path, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
+def test_a_stopped_gate_leaves_no_server_process_within_20_s(tmp_path: Path, signum: str):
+    import os
+    import signal
+    import subprocess
+
+    server_script = tmp_path / "server.py"
+    server_script.write_text(SERVER_WITH_CHILD)
+    gate = subprocess.Popen([sys.executable, "-c", GATE_WITH_SERVER, str(server_script)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert gate.stdout is not None
+    _, server_pid, log_path = gate.stdout.readline().split()
+    deadline = time.monotonic() + 30
+    while "child" not in Path(log_path).read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child_pid = int(Path(log_path).read_text().split()[1])
+    started = time.monotonic()
+    gate.send_signal(getattr(signal, signum))
+    gate.wait(30)
+    pids = [int(server_pid), child_pid]
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() - started < 20, f"still running after {signum} to the gate: {pids}"
+        time.sleep(0.2)
