@@ -32,9 +32,12 @@ class ProbeResult:
     logprobs_per_position: int  # ranked entries the server returned per position (-1: all of them)
 
 
-def probe(client: EndpointClient, label: str, served_model_name: str, encode: Callable[[str, bool], list[int]],
+def probe(client: EndpointClient, label: str, served_model_name: str, tokenize: Callable[[str], list[int]],
           want_logprobs: int) -> ProbeResult:
-    """Check model name, key, prompt log-probs (``want_logprobs`` per position, -1 for all) and tokenizer."""
+    """Check model name, key, prompt log-probs (``want_logprobs`` per position, -1 for all) and tokenizer.
+
+    ``tokenize``: the local tokenizer on text, special tokens added as the server adds them to a text prompt.
+    """
     where = f"{label} at {client.shown}"
     models = _models(client, where)
     names = [str(m.get("id")) for m in models]
@@ -42,7 +45,7 @@ def probe(client: EndpointClient, label: str, served_model_name: str, encode: Ca
         raise EndpointError(f"{where}: serves {', '.join(names) or 'no model'}, not {served_model_name!r} "
                             "(served_model_name, or --served-model-name of the serve command)")
     card = models[names.index(served_model_name)]
-    ids = encode(PROBE_TEXT, True)
+    ids = tokenize(PROBE_TEXT)
     want = want_logprobs if want_logprobs != 0 else 1
     rows = _prompt_logprobs(client, where, served_model_name, ids, want)
     widths = {len(row) for row in rows[1:]}
@@ -105,7 +108,7 @@ def _prompt_logprobs(client: EndpointClient, where: str, model: str, ids: Sequen
 
 
 def _check_tokenizer(client: EndpointClient, where: str, model: str, ids: Sequence[int]) -> None:
-    """The server must cut the probe text into the ids the local tokenizer gives (BOS included)."""
+    """The server must cut the probe text into the ids the local tokenizer gives (special tokens included)."""
     body = {"model": model, "prompt": PROBE_TEXT, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
     rows = completion(client, where, body).get("prompt_logprobs") or []
     served = [next(iter(row)) if isinstance(row, dict) and row else None for row in rows[1:]]

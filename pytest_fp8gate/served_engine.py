@@ -76,8 +76,8 @@ class ServedEngine(Engine):
         try:
             self.client = EndpointClient(url, None if served.managed else served.api_key_env)
             self.where = f"{spec.name} at {self.client.shown}"
-            self.probe = endpoint_probe.probe(self.client, spec.name, served.served_model_name, self.encode,
-                                              max_logprobs)
+            self.probe = endpoint_probe.probe(self.client, spec.name, served.served_model_name,
+                                              lambda text: list(self.tokenizer.encode(text)), max_logprobs)
         except BaseException:
             self._stop_server()
             raise

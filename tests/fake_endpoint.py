@@ -59,7 +59,7 @@ class FakeEndpoint:
 
     def prompt_ids(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
-            ids = [self.tokenizer.bos_token_id, *self.tokenizer.encode(prompt, add_special_tokens=False)]
+            ids = list(self.tokenizer.encode(prompt))
             return [(i + 1) % VOCAB for i in ids] if self.knobs.shifted_tokenizer else ids
         return list(prompt)
 
