@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import EndpointError
-from .http_client import EndpointClient, HttpStatusError
+from .errors import EndpointError, EndpointStatus
+from .http_client import EndpointClient
 
 PROBE_TEXT = "The gate checks 12 + 30 = 42 before it measures.\nQuestion: what next?"
 _KV_METRIC = re.compile(r'^vllm:cache_config_info\{([^}]*)\}', re.MULTILINE)
@@ -62,7 +62,7 @@ def probe(client: EndpointClient, label: str, served_model_name: str, tokenize: 
 def _models(client: EndpointClient, where: str) -> list[dict[str, Any]]:
     try:
         answer = client.get("/v1/models")
-    except HttpStatusError as err:
+    except EndpointStatus as err:
         raise EndpointError(f"{where}: /v1/models: {_status_text(err)}") from None
     data = answer.get("data") if isinstance(answer, dict) else None
     if not isinstance(data, list):
@@ -70,18 +70,18 @@ def _models(client: EndpointClient, where: str) -> list[dict[str, Any]]:
     return [m for m in data if isinstance(m, dict)]
 
 
-def _status_text(err: HttpStatusError) -> str:
+def _status_text(err: EndpointStatus) -> str:
     if err.status in (401, 403):
         return (f"HTTP {err.status}: the API key was refused (set the environment variable named by "
                 f"api_key_env to the server's key)")
-    return f"HTTP {err.status}: {err.detail}"
+    return str(err)
 
 
 def completion(client: EndpointClient, where: str, body: dict[str, Any]) -> dict[str, Any]:
     """The first choice of a /v1/completions answer; an error status becomes an EndpointError."""
     try:
         answer = client.post("/v1/completions", body)
-    except HttpStatusError as err:
+    except EndpointStatus as err:
         raise EndpointError(f"{where}: /v1/completions: {_status_text(err)}") from None
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not choices:
@@ -121,7 +121,7 @@ def _check_tokenizer(client: EndpointClient, where: str, model: str, ids: Sequen
 def _version(client: EndpointClient) -> str:
     try:
         answer = client.get("/version")
-    except (EndpointError, HttpStatusError):
+    except EndpointError:
         return "unknown"
     return str(answer.get("version", "unknown")) if isinstance(answer, dict) else "unknown"
 
@@ -130,7 +130,7 @@ def kv_cache_tokens(client: EndpointClient) -> int | None:
     """KV capacity in tokens from the server's Prometheus metrics (vLLM's cache_config_info)."""
     try:
         text = client.get_text("/metrics")
-    except (EndpointError, HttpStatusError):
+    except EndpointError:
         return None
     match = _KV_METRIC.search(text)
     if match is None:

@@ -16,10 +16,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from .errors import EndpointError
+from .errors import EndpointError, EndpointStatus
 
 TIMEOUT_S = 600.0  # one request; a long prompt-logprob chunk on a CPU takes seconds
 
@@ -58,14 +57,6 @@ class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-@dataclass
-class HttpStatusError(Exception):
-    """The server answered with an error status; ``detail`` is its message, if it sent one."""
-
-    status: int
-    detail: str
-
-
 class EndpointClient:
     """Requests to ``base_url`` (e.g. http://127.0.0.1:8000), authorised with the key in ``api_key_env``."""
 
@@ -86,7 +77,7 @@ class EndpointClient:
         try:
             return self._opener.open(request, timeout=timeout)
         except urllib.error.HTTPError as err:
-            raise HttpStatusError(err.code, _detail(err)) from None
+            raise EndpointStatus(f"HTTP {err.code}: {_detail(err)}", err.code) from None
         except (urllib.error.URLError, OSError) as err:
             reason = getattr(err, "reason", err)
             raise EndpointError(f"{self.shown}{path}: cannot connect: {reason}") from None

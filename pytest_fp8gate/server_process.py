@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import lifecycle
 from .errors import EndpointError
-from .http_client import EndpointClient, HttpStatusError
+from .http_client import EndpointClient
 
 HOST = "127.0.0.1"  # the gate talks to its own server on loopback only
 # Flags of `vllm serve` the gate sets itself, and why a user value cannot stand.
@@ -114,7 +114,7 @@ class ManagedServer:
             try:
                 client.get_text("/health", timeout=5.0)
                 return time.perf_counter() - started
-            except (EndpointError, HttpStatusError):
+            except EndpointError:
                 pass
             if time.perf_counter() - started > timeout_s:
                 raise self._failed(f"not healthy after {timeout_s:g} s (health_timeout_s)")
