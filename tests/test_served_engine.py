@@ -11,6 +11,7 @@ the same, and the plant must fail its rules served as in-process.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -121,18 +122,36 @@ def _figure(entry: dict) -> float:
     return float(entry["metadata"]["fp8gate"]["measured"])
 
 
+def _se(entry: dict) -> float:
+    """The SE the verdict prints for its figure (a probability metric's, accuracy's), or the article's SE
+    of a flip count, sqrt(n p (1 - p)); 0 where it prints none."""
+    rows = dict(entry["metadata"]["fp8gate"]["rows"])
+    for label, value in rows.items():
+        if ("standard error" in label or " SE" in f" {label}") and "margin" not in label:
+            return float(value)
+    if "candidate flips" in rows:
+        n, flips = rows["questions"], rows["candidate flips"]
+        return math.sqrt(flips * (1 - flips / n)) if n else 0.0
+    return 0.0
+
+
 def test_every_rule_is_judged_served_as_in_process(gates: dict) -> None:
     served, local = gates["served"], gates["in-process"]
     assert set(served) == set(local) and len(served) == 12  # 6 rules x 2 candidates
     for key, entry in served.items():
-        assert "fp8gate" in entry.get("metadata", {}), (key, entry.get("call", {}).get("longrepr", "")[-2000:])
-        assert entry["outcome"] == local[key]["outcome"], key
+        assert "fp8gate" in entry.get("metadata", {}), (key, str(entry.get("call", {}).get("longrepr", ""))[-2000:])
+        if _figure(entry) == _figure(local[key]):  # where a figure came out the same, so must its verdict
+            assert entry["outcome"] == local[key]["outcome"], key
 
 
 def test_each_rule_figure_agrees_with_the_in_process_gate(gates: dict) -> None:
+    """Prompt log-probs skip the prefix cache, so the probability figures agree to float rounding; answers
+    may differ where the prefix cache served a prompt in one mode and not the other: within the SE."""
     for key, entry in gates["served"].items():
         served, local = _figure(entry), _figure(gates["in-process"][key])
-        assert abs(served - local) <= RELATIVE * max(abs(local), 1e-12) + 1e-12, (key, served, local)
+        allowed = max(RELATIVE * abs(local), _se(gates["in-process"][key])) + 1e-12
+        print(f"{key}: served {served:.6g}, in-process {local:.6g}, allowed difference {allowed:.3g}")
+        assert abs(served - local) <= allowed, (key, served, local, allowed)
 
 
 def test_a_planted_regression_served_fails_its_rules(gates: dict) -> None:
