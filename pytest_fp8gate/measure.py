@@ -237,9 +237,15 @@ class Measurements:
 
     def engine_settings(self) -> dict[str, Any]:
         """Settings of the baseline's engines that come from the gate rather than the thresholds file."""
-        return {"max_logprobs": self._max_logprobs(), "full_vocab": self._full_vocab_wanted(),
-                "in_process": self.config.deterministic_scheduling, "noise_batch_size": NOISE_BATCH_SIZE,
-                "fp16_dtype": "float16"}
+        settings = {"max_logprobs": self._max_logprobs(), "full_vocab": self._full_vocab_wanted(),
+                    "in_process": self.config.deterministic_scheduling, "noise_batch_size": NOISE_BATCH_SIZE,
+                    "fp16_dtype": "float16"}
+        served = self.config.baseline.served
+        if served is not None:  # issue 20: the whole command line and environment change the numbers
+            from .served_engine import cache_key
+
+            settings["served"] = cache_key(served)
+        return settings
 
     def fingerprint(self, spec: ModelSpec) -> dict[str, Any]:
         """Model id, revision and weights hash, computed once per model."""

@@ -19,6 +19,8 @@ the server cuts them alike), so every request carries token ids, as in-process.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 import statistics as stats
@@ -270,6 +272,14 @@ def _with_dtype(command: Sequence[str], dtype: str | None) -> list[str]:
         if arg.startswith("--dtype="):
             return argv[:i] + argv[i + 1:] + ["--dtype", dtype]
     return argv + ["--dtype", dtype]
+
+
+def cache_key(served: ServedSpec) -> dict[str, Any]:
+    """What of a served baseline keys the baseline cache: the command line, the environment (values
+    hashed: they may hold secrets), or the redacted endpoint and model name."""
+    env = hashlib.sha256(json.dumps(served.env).encode()).hexdigest()
+    return {"serve": list(served.command), "env_sha256": env, "endpoint": redact_url(served.endpoint or ""),
+            "served_model_name": served.served_model_name}
 
 
 def _described(served: ServedSpec, dtype: str | None) -> dict[str, Any]:

@@ -6,6 +6,7 @@ The measurements over real ``vllm serve`` processes are in test_served_engine.py
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -288,3 +289,15 @@ def test_a_stopped_gate_leaves_no_server_process_within_20_s(tmp_path: Path, sig
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
         assert time.monotonic() - started < 20, f"still running after {signum} to the gate: {pids}"
         time.sleep(0.2)
+
+
+def test_the_baseline_cache_is_keyed_on_the_whole_serve_command_and_never_holds_env_values(tmp_path: Path):
+    from pytest_fp8gate.served_engine import cache_key
+
+    def key(extra: str) -> dict:
+        return cache_key(load_config(_config(tmp_path, extra)).baseline.served)
+
+    plain = key(f'serve = "{SERVE}"\nenv = {{ HF_TOKEN = "hf_secret123" }}')
+    assert plain != key(f'serve = "{SERVE} --enable-chunked-prefill"\nenv = {{ HF_TOKEN = "hf_secret123" }}')
+    assert plain != key(f'serve = "{SERVE}"\nenv = {{ HF_TOKEN = "hf_other" }}')
+    assert "hf_secret123" not in json.dumps(plain)
