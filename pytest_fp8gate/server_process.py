@@ -38,7 +38,7 @@ GATE_FLAGS = {
     "--api-key": "a key on the command line ends up in logs and artifacts; a server the gate starts needs none",
     "--uds": "the gate talks to its own servers over TCP on loopback",
 }
-VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")  # `vllm` of the gate's own environment
+VLLM_CLI = (sys.executable, "-m", "pytest_fp8gate.vllm_cli")  # `vllm` of the gate's own environment
 STOP_GRACE_S = 15.0  # SIGTERM to SIGKILL of the server's process group
 POLL_S = 0.5
 _PR_SET_PDEATHSIG = 1
