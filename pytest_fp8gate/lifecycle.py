@@ -12,7 +12,10 @@ cancel grace ends). So the first engine start also starts a watchdog: a small
 separate process, in a session of its own so that a signal to the gate's process
 group spares it, that polls the gate's pid and keeps a list of the processes the
 gate has spawned since; when the gate is gone it stops them and their children
-(SIGTERM, then SIGKILL after ``GRACE_S``) and exits. A process spawned in the last
+(SIGTERM, then SIGKILL after ``GRACE_S``) and exits. It also reads a registry file
+the gate rewrites whenever it tracks or releases an engine, so that what the gate
+tracked is stopped even before the first poll saw it, with the process groups
+those processes lead (a managed ``vllm serve`` runs in a group of its own). A process spawned in the last
 ``WATCH_INTERVAL_S`` before the gate died is caught only through its parent.
 
 Should the watchdog die too, while an engine is up its process ids are also in
@@ -28,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -52,6 +56,7 @@ class Tracked:
 
     label: str
     processes: tuple[tuple[int, float], ...]
+    groups: tuple[int, ...] = ()  # process groups its processes lead (a managed server's own), stopped too
 
 
 _lock = threading.RLock()
@@ -63,6 +68,8 @@ _pid_dir: Path | None = None
 _previous_handlers: dict[int, Any] = {}
 _installed = False
 _watchdog: subprocess.Popen[bytes] | None = None
+# What is tracked now, for the watchdog to read should this process die (it may not have polled yet).
+_registry: Path | None = None
 
 # The watchdog runs ``watchdog_main`` of this module with the gate's import path.
 _WATCHDOG = "import sys; from pytest_fp8gate.lifecycle import watchdog_main; watchdog_main(sys.argv[2:])"
@@ -91,13 +98,16 @@ def watchdog_pid() -> int | None:
 def _start_watchdog(since: float) -> None:
     """Once per process: the watchdog that stops what this process spawned from ``since`` (a create
     time) on, should this process die without a word."""
-    global _watchdog
+    global _watchdog, _registry
     if _watchdog is not None:
         return
     import psutil
 
     me = psutil.Process()
-    argv = [sys.executable, "-c", _WATCHDOG, WATCHDOG_MARK, str(me.pid), repr(me.create_time()), repr(since)]
+    handle, name = tempfile.mkstemp(prefix="fp8gate-tracked-", suffix=".json")
+    os.close(handle)
+    _registry = Path(name)
+    argv = [sys.executable, "-c", _WATCHDOG, WATCHDOG_MARK, str(me.pid), repr(me.create_time()), repr(since), name]
     package_root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
     # No pipes of ours: a runner reading the gate's output must not wait for the watchdog's exit.
@@ -106,11 +116,12 @@ def _start_watchdog(since: float) -> None:
 
 
 def watchdog_main(argv: list[str]) -> None:
-    """The watchdog (a process of its own): ``argv`` is the gate's pid, its create time, and the
-    earliest create time of what it stops. Polls the gate; once it is gone, stops what it spawned."""
+    """The watchdog (a process of its own): ``argv`` is the gate's pid, its create time, the
+    earliest create time of what it stops and the gate's registry file. Polls the gate; once it is
+    gone, stops what it spawned and what the registry lists, process groups included."""
     import psutil
 
-    gate_pid, gate_created, since = int(argv[0]), float(argv[1]), float(argv[2])
+    gate_pid, gate_created, since, registry = int(argv[0]), float(argv[1]), float(argv[2]), Path(argv[3])
     me = os.getpid()
     seen: dict[int, float] = {}
     while _alive(gate_pid, gate_created) is not None:
@@ -121,7 +132,13 @@ def watchdog_main(argv: list[str]) -> None:
         except psutil.Error:
             pass
         time.sleep(WATCH_INTERVAL_S)
-    _stop([Tracked("left by a gate that died", tuple(seen.items()))])
+    try:
+        listed = [Tracked(e["label"], tuple((pid, created) for pid, created in e["processes"]), tuple(e["groups"]))
+                  for e in json.loads(registry.read_text(encoding="utf-8") or "[]")]
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = []
+    registry.unlink(missing_ok=True)
+    _stop([Tracked("left by a gate that died", tuple(seen.items())), *listed])
 
 
 def starting(label: str) -> set[int]:
@@ -156,15 +173,17 @@ def track(label: str, pids: set[int]) -> Tracked:
 def _tracked(label: str, pids: set[int]) -> Tracked:
     import psutil
 
-    processes = []
+    processes, groups = [], []
     for pid in sorted(pids):
         try:
             process = psutil.Process(pid)
             if not any(helper in " ".join(process.cmdline()) for helper in _SHARED_HELPERS):
                 processes.append((pid, process.create_time()))
-        except psutil.Error:  # already gone
+                if os.getpgid(pid) == pid:
+                    groups.append(pid)
+        except (psutil.Error, OSError):  # already gone
             continue
-    return Tracked(label, tuple(processes))
+    return Tracked(label, tuple(processes), tuple(groups))
 
 
 def release(tracked: Tracked) -> None:
@@ -232,6 +251,10 @@ def _alive(pid: int, created: float) -> Any:
 def _stop(engines: list[Tracked]) -> None:
     import psutil
 
+    # A group's members outlive its leader (killed with the gate through PR_SET_PDEATHSIG, say),
+    # so a group is stopped while its leader is alive or, leaderless, while it has members.
+    groups = {group for engine in engines for group in engine.groups}
+    _signal_groups(groups, signal.SIGTERM)
     processes = [p for engine in engines for pid, created in engine.processes if (p := _alive(pid, created))]
     for process in list(processes):
         try:
@@ -250,9 +273,22 @@ def _stop(engines: list[Tracked]) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=GRACE_S)
+    _signal_groups(groups, signal.SIGKILL)
+
+
+def _signal_groups(groups: set[int], signum: int) -> None:
+    for group in groups:
+        try:
+            os.killpg(group, signum)
+        except (ProcessLookupError, PermissionError):  # empty: Linux reuses no id of a live group
+            pass
 
 
 def _write_pid_file() -> None:
+    if _registry is not None:
+        atomic_write_text(_registry, json.dumps([{"label": engine.label, "groups": list(engine.groups),
+                                                  "processes": [list(p) for p in engine.processes]}
+                                                 for engine in _live]))
     if _pid_dir is None:
         return
     path = _pid_dir / PID_FILE

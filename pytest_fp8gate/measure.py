@@ -138,7 +138,12 @@ class Measurements:
         self.announce(f"fp8gate: engine start: {label} ({spec.model}, quantization={spec.quantization})")
         started_at, started = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
         memory = {"before_start": hardware.cuda_free_memory_mib()}
-        engine = self.engine_class(spec, max_logprobs=self._max_logprobs(), dtype=dtype)
+        engine_class = self.engine_class
+        if spec.served is not None:  # issue 20: a model behind an OpenAI-compatible server
+            from .served_engine import ServedEngine
+
+            engine_class = ServedEngine
+        engine = engine_class(spec, max_logprobs=self._max_logprobs(), dtype=dtype)
         note = capabilities_mod.version_note(engine.capabilities.vllm_version)
         if note:
             self.announce(f"fp8gate: {note}")
@@ -161,9 +166,15 @@ class Measurements:
 
     def engine_settings(self) -> dict[str, Any]:
         """Settings of the baseline's engines that come from the gate rather than the thresholds file."""
-        return {"max_logprobs": self._max_logprobs(), "full_vocab": self._full_vocab_wanted(),
-                "in_process": self.config.deterministic_scheduling, "noise_stride": NOISE_STRIDE,
-                "fp16_dtype": "float16"}
+        settings = {"max_logprobs": self._max_logprobs(), "full_vocab": self._full_vocab_wanted(),
+                    "in_process": self.config.deterministic_scheduling, "noise_stride": NOISE_STRIDE,
+                    "fp16_dtype": "float16"}
+        served = self.config.baseline.served
+        if served is not None:  # issue 20: the whole command line and environment change the numbers
+            from .served_engine import cache_key
+
+            settings["served"] = cache_key(served)
+        return settings
 
     def baseline_key(self, needs: Needs) -> dict[str, Any]:
         """The baseline cache's key: everything that changes the baseline's numbers."""

@@ -14,6 +14,27 @@ from typing import Any, Literal
 from .rules import SHARE_OF_BASELINE
 
 
+# --- served models (issue 20) ----------------------------------------------------------
+@dataclass(frozen=True)
+class ServedSpec:
+    """A model gated over HTTP, through an OpenAI-compatible completions API (served_engine.py).
+
+    Managed: ``command`` is the deploy's ``vllm serve`` argv (model path resolved), which
+    the gate starts with the model's ``env`` and the flags it controls (server_process.py). External:
+    ``endpoint`` is the base URL of a server someone else runs.
+    """
+
+    served_model_name: str
+    command: tuple[str, ...] = ()
+    endpoint: str | None = None
+    api_key_env: str | None = None  # the environment variable holding the API key (never the key)
+    health_timeout_s: float = 600.0
+
+    @property
+    def managed(self) -> bool:
+        return bool(self.command)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str  # id used in test ids
@@ -21,9 +42,10 @@ class ModelSpec:
     quantization: str | None  # vLLM quantization name; None: as the checkpoint says
     # Effective vllm.LLM keyword arguments: a candidate's table merged over the baseline's.
     engine: dict[str, Any] = field(hash=False)
-    # Environment of this model's engines only (set from its start to its shutdown); a candidate's
-    # table merged over the baseline's, like ``engine``.
+    # Environment of this model's engines only (set from its start to its shutdown), a managed
+    # server's included; in-process, a candidate's table merged over the baseline's, like ``engine``.
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    served: ServedSpec | None = None  # issue 20: None runs the model in-process (vllm.LLM)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for vllm.LLM (a fresh dict each call)."""

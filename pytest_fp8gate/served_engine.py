@@ -1,0 +1,291 @@
+"""The served edge: the ``Engine`` interface over an OpenAI-compatible completions API.
+
+Measure, gate and report see the same methods as for an in-process ``vllm.LLM``:
+
+- prompt log-probs: ``/v1/completions`` with the token ids as the prompt and vLLM's
+  ``prompt_logprobs`` (top-k, or -1 for the full vocabulary), one request per chunk;
+- greedy generation and continuation log-probs (lm-eval's requests, through the
+  gate's own ``EngineLM``, so BOS handling, stops and the samples files are the
+  in-process gate's);
+- a ``BatchLayout`` becomes order and concurrency: requests submitted in the layout's
+  order (its ``stride`` and ``reverse`` included, so each request's neighbours in the
+  server's batches change), up to ``MAX_IN_FLIGHT`` in flight, or calls of ``size``
+  concurrent requests;
+- latency from streamed responses: time to the first token as the prefill, TPOT from
+  the rest, so ``Latency.decode_tok_s`` is 1 / TPOT;
+- KV capacity from the server's metrics, else from a managed server's log.
+
+Tokens are cut by the local tokenizer of the served model (the probe checks that
+the server cuts them alike), so every request carries token ids, as in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import statistics as stats
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+
+from . import corpus as corpus_mod
+from . import endpoint_probe
+from .capabilities import EngineCapabilities
+from .engine import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
+from .errors import EndpointError, IdScoringUnavailable
+from .http_client import EndpointClient, redact_url
+from .logprobs import LogprobRun
+from .server_process import ManagedServer
+from .spec import ModelSpec, ServedSpec
+
+log = logging.getLogger("fp8gate")
+
+MAX_IN_FLIGHT = 32  # concurrent requests for an all-at-once layout
+CLAMPED_LOGPROB = -9999.0  # vLLM's JSON stands this in for -inf
+NO_ID_SCORING = "the completions API takes no prompt_logprob_token_ids"
+_KV_LOG = re.compile(r"KV cache size: ([\d,]+) tokens")
+# Sampling fields a server's generation_config may default otherwise; greedy as in-process.
+_GREEDY = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+           "frequency_penalty": 0.0, "presence_penalty": 0.0}
+T = TypeVar("T")
+
+
+class ServedEngine(Engine):
+    """A served model: a ``vllm serve`` the gate starts (managed) or an endpoint it is given (external)."""
+
+    def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None:
+        served = spec.served
+        if served is None:
+            raise ValueError(f"{spec.name}: no [served] settings")
+        started = time.perf_counter()
+        self.spec = spec
+        self.served = served
+        self.server: ManagedServer | None = None
+        self.kwargs = _described(spec, dtype)  # for the provenance record: no key, no env values
+        self.tokenizer = _local_tokenizer(spec)
+        if served.managed:
+            # The model's env is in os.environ now (measure.applied_env): the server inherits it.
+            self.server = ManagedServer(spec.name, _with_dtype(served.command, dtype), max_logprobs)
+            self.server.wait_healthy(served.health_timeout_s)
+            url = self.server.url
+        else:
+            assert served.endpoint is not None
+            url = served.endpoint
+        try:
+            self.client = EndpointClient(url, None if served.managed else served.api_key_env)
+            self.where = f"{spec.name} at {self.client.shown}"
+            self.probe = endpoint_probe.probe(self.client, spec.name, served.served_model_name,
+                                              lambda text: list(self.tokenizer.encode(text)), max_logprobs)
+        except BaseException:
+            self._stop_server()
+            raise
+        self.capabilities = EngineCapabilities(f"{self.probe.version} (served)", NO_ID_SCORING)
+        self.vocab_size = self.probe.vocab_size or corpus_mod.vocab_size_hint(spec.model)
+        self.start_s = time.perf_counter() - started
+
+    # ---- facts -------------------------------------------------------------
+
+    def kv_cache_tokens(self) -> int | None:
+        tokens = endpoint_probe.kv_cache_tokens(self.client)
+        if tokens is None and self.server is not None:
+            found = _KV_LOG.findall(self.server.log_text())
+            tokens = int(found[-1].replace(",", "")) if found else None
+        return tokens
+
+    @property
+    def max_model_len(self) -> int:
+        if self.probe.max_model_len is None:
+            raise EndpointError(f"{self.where}: /v1/models gives no max_model_len")
+        return self.probe.max_model_len
+
+    def facts(self) -> dict[str, Any]:
+        return {"served_model_name": self.served.served_model_name, "endpoint": self.client.shown,
+                "server_version": self.probe.version, "max_model_len": str(self.probe.max_model_len),
+                "managed": self.served.managed}
+
+    # ---- requests ----------------------------------------------------------
+
+    def _completions(self, bodies: Sequence[dict[str, Any]], layout: BatchLayout) -> list[dict[str, Any]]:
+        """The first choice of each request, sent in the layout's order and concurrency, in request order."""
+        base = {"model": self.served.served_model_name, **_GREEDY}
+        return _in_layout(layout, bodies, lambda body: endpoint_probe.completion(
+            self.client, self.where, {**base, **body}))
+
+    def _prompt_rows(self, prompts: Sequence[Sequence[int]], want: int,
+                     layout: BatchLayout) -> list[list[dict[str, Any]]]:
+        choices = self._completions([{"prompt": list(p), "max_tokens": 1, "prompt_logprobs": want}
+                                     for p in prompts], layout)
+        rows = [c.get("prompt_logprobs") for c in choices]
+        for prompt, row in zip(prompts, rows):
+            if not isinstance(row, list) or len(row) != len(prompt):
+                raise EndpointError(f"{self.where}: a completion came back without prompt log-probs for "
+                                    f"its {len(prompt)} prompt tokens")
+        return [r for r in rows if isinstance(r, list)]
+
+    # ---- probabilities -----------------------------------------------------
+
+    def prompt_logprobs(self, chunks: Sequence[Sequence[int]], top_k: int, full_vocab: bool,
+                        layout: BatchLayout = ALL_AT_ONCE) -> LogprobRun:
+        rows = self._prompt_rows(chunks, -1 if full_vocab else top_k, layout)
+        parts = [_rows_to_arrays(self.where, row, chunk, top_k, self.vocab_size if full_vocab else None)
+                 for row, chunk in zip(rows, chunks)]
+        return LogprobRun(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                          np.concatenate([p[2] for p in parts]),
+                          full_logprobs=np.concatenate([p[3] for p in parts]) if full_vocab else None,
+                          token_ids=np.concatenate([np.asarray(c[1:], dtype=np.int64) for c in chunks]))
+
+    def logprobs_on_ids(self, chunks: Sequence[Sequence[int]], ids: np.ndarray) -> np.ndarray:
+        raise IdScoringUnavailable(NO_ID_SCORING)
+
+    # ---- generation --------------------------------------------------------
+
+    def generate_greedy(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+                        stops: Sequence[Sequence[str]], layout: BatchLayout = ALL_AT_ONCE) -> list[Generation]:
+        choices = self._completions([{"prompt": list(p), "max_tokens": n, "stop": list(s), "return_token_ids": True}
+                                     for p, n, s in zip(prompts, max_tokens, stops)], layout)
+        # Servers without return_token_ids: the text's ids (nothing the rules read).
+        return [Generation(str(c.get("text", "")), tuple(c.get("token_ids") or self.encode(str(c.get("text", "")),
+                                                                                            False)))
+                for c in choices]
+
+    def continuation_logprobs(self, prompts: Sequence[Sequence[int]], continuation_lengths: Sequence[int],
+                              layout: BatchLayout = ALL_AT_ONCE) -> list[tuple[float, bool]]:
+        results = []
+        for row, prompt, n in zip(self._prompt_rows(prompts, 1, layout), prompts, continuation_lengths):
+            entries = [_entry(self.where, row[i], prompt[i]) for i in range(len(prompt) - n, len(prompt))]
+            results.append((float(sum(_logprob(e) for e in entries)), all(e.get("rank") == 1 for e in entries)))
+        return results
+
+    # ---- speed -------------------------------------------------------------
+
+    def latency(self, input_len: int, output_len: int, batch_size: int, warmup_iters: int, iters: int) -> Latency:
+        """Streamed requests of random prompt ids (as in-process), ``batch_size`` at once: the median time to
+        the last token is the total, the median time to the first token the prefill."""
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, min(self.vocab_size, 10000), input_len).tolist() for _ in range(batch_size)]
+        body = {"model": self.served.served_model_name, "max_tokens": output_len, "ignore_eos": True,
+                "temperature": 1.0, "top_p": 1.0, "seed": 0, "stream": True}
+
+        def one(prompt: list[int]) -> tuple[float, float]:
+            started = time.perf_counter()
+            first = None
+            for at, event in self.client.stream("/v1/completions", {**body, "prompt": prompt}):
+                if first is None and event.get("choices"):
+                    first = at
+            ended = time.perf_counter()
+            return (first or ended) - started, ended - started
+
+        def timed() -> tuple[float, float]:
+            times = _in_layout(ALL_AT_ONCE, prompts, one)
+            return max(t[0] for t in times), max(t[1] for t in times)
+
+        for _ in range(warmup_iters):
+            timed()
+        runs = [timed() for _ in range(iters)]
+        return Latency(input_len, output_len, batch_size, iters, stats.median(r[1] for r in runs),
+                       stats.median(r[0] for r in runs))
+
+    # ---- teardown ----------------------------------------------------------
+
+    def shutdown(self) -> None:
+        self._stop_server()
+        log.info("fp8gate: done with served model %s", self.spec.name)
+
+    def _stop_server(self) -> None:
+        """Stop a managed server and copy its log into the output of the rule test that started it."""
+        if self.server is None:
+            return
+        self.server.stop()
+        sys.stderr.write(f"--- vllm serve log of {self.spec.name} ---\n{self.server.log_text()}")
+        self.server.log_path.unlink(missing_ok=True)
+        self.server = None
+
+
+def _in_layout(layout: BatchLayout, items: Sequence[Any], send: Callable[[Any], T]) -> list[T]:
+    """``send`` each item: all at once (at most MAX_IN_FLIGHT in flight) or in the layout's calls of ``size``
+    concurrent requests; results in item order."""
+    results: list[Any] = [None] * len(items)
+    for batch in layout.batches(len(items)):
+        with ThreadPoolExecutor(max_workers=max(1, min(len(batch), layout.size or MAX_IN_FLIGHT))) as pool:
+            for i, result in zip(batch, pool.map(lambda i: send(items[i]), batch)):
+                results[i] = result
+    return results
+
+
+def _entry(where: str, row: Any, token: int) -> dict[str, Any]:
+    entry = row.get(str(token)) if isinstance(row, dict) else None
+    if not isinstance(entry, dict) or "logprob" not in entry:
+        raise EndpointError(f"{where}: a prompt position came back without its own token's log-prob")
+    return entry
+
+
+def _logprob(entry: dict[str, Any]) -> float:
+    value = float(entry["logprob"])
+    return -np.inf if value <= CLAMPED_LOGPROB else value
+
+
+def _rows_to_arrays(where: str, rows: list[Any], chunk: Sequence[int], top_k: int, vocab_size: int | None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """vLLM's JSON prompt log-probs of one prompt -> per-position arrays (positions 1..len-1), as
+    engine._flat_to_arrays makes them from vLLM's FlatLogprobs."""
+    real = np.empty(len(chunk) - 1)
+    top_ids = np.empty((len(chunk) - 1, top_k), dtype=np.int64)
+    top_lp = np.empty((len(chunk) - 1, top_k))
+    full = None if vocab_size is None else np.full((len(chunk) - 1, vocab_size), -np.inf, dtype=np.float32)
+    for position in range(1, len(chunk)):
+        row = rows[position]
+        real[position - 1] = _logprob(_entry(where, row, chunk[position]))
+        ranked = sorted(((int(e["rank"]), int(token), _logprob(e)) for token, e in row.items()),
+                        key=lambda item: item[0])
+        if len(ranked) < top_k:
+            raise EndpointError(f"{where}: {len(ranked)} prompt log-probs at a position, fewer than top_k {top_k}")
+        top_ids[position - 1] = [t for _, t, _ in ranked[:top_k]]
+        top_lp[position - 1] = [lp for _, _, lp in ranked[:top_k]]
+        if full is not None:
+            full[position - 1, [t for _, t, _ in ranked]] = [lp for _, _, lp in ranked]
+    return real, top_ids, top_lp, full
+
+
+def _local_tokenizer(spec: ModelSpec) -> Any:
+    """The served model's tokenizer, loaded here (the probe checks the server's cuts text alike)."""
+    from transformers import AutoTokenizer
+
+    source = spec.engine.get("tokenizer") or spec.model
+    try:
+        return AutoTokenizer.from_pretrained(source, revision=spec.engine.get("revision"))
+    except (OSError, ValueError) as err:
+        raise EndpointError(f"{spec.name}: cannot load the tokenizer from {source}: {err}") from None
+
+
+def _with_dtype(command: Sequence[str], dtype: str | None) -> list[str]:
+    """The serve argv, with ``--dtype`` replaced for the FP16 noise pass."""
+    argv = list(command)
+    if dtype is None:
+        return argv
+    for i, arg in enumerate(argv):
+        if arg == "--dtype" and i + 1 < len(argv):
+            return argv[:i] + argv[i + 2:] + ["--dtype", dtype]
+        if arg.startswith("--dtype="):
+            return argv[:i] + argv[i + 1:] + ["--dtype", dtype]
+    return argv + ["--dtype", dtype]
+
+
+def cache_key(served: ServedSpec) -> dict[str, Any]:
+    """What of a served baseline keys the baseline cache besides its env (which the cache keys for
+    every model): the command line, or the redacted endpoint and model name."""
+    return {"serve": list(served.command), "endpoint": redact_url(served.endpoint or ""),
+            "served_model_name": served.served_model_name}
+
+
+def _described(spec: ModelSpec, dtype: str | None) -> dict[str, Any]:
+    served = spec.served
+    assert served is not None
+    if served.managed:
+        return {"serve": ["vllm", *_with_dtype(served.command, dtype)]}  # env: the run's own "env" record
+    assert served.endpoint is not None
+    return {"endpoint": redact_url(served.endpoint), "served_model_name": served.served_model_name,
+            "api_key_env": served.api_key_env}

@@ -1,0 +1,135 @@
+"""A managed ``vllm serve`` process: started by the gate, waited on until healthy, stopped.
+
+The deploy's command line runs as given, in the gate's environment (the model's
+``env`` applied, measure.applied_env), plus the flags the gate controls
+(``GATE_FLAGS``). The server gets its own process group, so stopping it
+stops its engine core and workers too; it is registered with ``lifecycle``
+(stopped on SIGTERM, SIGINT and exit; on SIGKILL of the gate, lifecycle's
+watchdog stops it, its process group included, and it is in the pid file), and on
+Linux the kernel also sends it SIGKILL when the gate dies (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import lifecycle
+from .errors import EndpointError
+from .http_client import EndpointClient
+
+HOST = "127.0.0.1"  # the gate talks to its own server on loopback only
+# Flags of `vllm serve` the gate sets itself, and why a user value cannot stand.
+GATE_FLAGS = {
+    "--port": "the gate picks a free port for each server it starts",
+    "--host": f"the gate binds its own servers to {HOST}, so the model under test is not exposed",
+    "--max-logprobs": "the gate sets it to what [probabilities] asks for (top_k, or -1 for the full "
+                      "vocabulary); it only caps what a request may ask for, not what the model computes",
+    "--api-key": "a key on the command line ends up in logs and artifacts; a server the gate starts needs none",
+    "--uds": "the gate talks to its own servers over TCP on loopback",
+}
+VLLM_CLI = (sys.executable, "-m", "pytest_fp8gate.vllm_cli")  # `vllm` of the gate's own environment
+STOP_GRACE_S = 15.0  # SIGTERM to SIGKILL of the server's process group
+POLL_S = 0.5
+_PR_SET_PDEATHSIG = 1
+
+
+def flag_conflict(argv: Sequence[str]) -> str | None:
+    """The first gate-controlled flag in ``argv`` with the reason it is refused, or None."""
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in GATE_FLAGS:
+            return f"{flag} is set by the gate ({GATE_FLAGS[flag]}); remove it"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((HOST, 0))
+        return int(probe.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: lifecycle's handlers and pid file remain
+        pass
+
+
+class ManagedServer:
+    """One running ``vllm serve``; ``stop()`` before the next starts."""
+
+    def __init__(self, label: str, argv: Sequence[str], max_logprobs: int) -> None:
+        """``argv``: the command after ``vllm`` (``serve MODEL ...``), without the gate's flags."""
+        self.label = label
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.argv = [*VLLM_CLI, *argv,
+                     "--host", HOST, "--port", str(self.port), "--max-logprobs", str(max_logprobs)]
+        self._log = tempfile.NamedTemporaryFile(prefix=f"fp8gate-{label}-", suffix=".log", delete=False)
+        self.log_path = Path(self._log.name)
+        before = lifecycle.starting(label)
+        try:
+            self.process = subprocess.Popen(
+                self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=_die_with_parent)
+        except BaseException:
+            lifecycle.abandon(label)
+            raise
+        self._tracked = lifecycle.track(label, lifecycle.child_pids() - before)
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Seconds until ``/health`` answered 200; raises EndpointError (server stopped) if it never does."""
+        client = EndpointClient(self.url)
+        started = time.perf_counter()
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise self._failed(f"exited with status {code} before it became healthy")
+            try:
+                client.get_text("/health", timeout=5.0)
+                return time.perf_counter() - started
+            except EndpointError:
+                pass
+            if time.perf_counter() - started > timeout_s:
+                raise self._failed(f"not healthy after {timeout_s:g} s (health_timeout_s)")
+            time.sleep(POLL_S)
+
+    def _failed(self, what: str) -> EndpointError:
+        self.stop()
+        tail = " | ".join(line.strip() for line in self.log_text().splitlines()[-5:] if line.strip())
+        return EndpointError(f"{self.label}: vllm serve {what}; last log lines: {tail or '(none)'}")
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """Stop the whole process group (SIGTERM, then SIGKILL after STOP_GRACE_S), forget it."""
+        if self.process.poll() is None:
+            _signal_group(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.process.pid, signal.SIGKILL)  # whatever of the group outlived the server
+        self.process.wait()
+        lifecycle.release(self._tracked)
+        self._log.close()
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,149 @@
+"""A stdlib HTTP server that answers like vLLM's OpenAI API, for the served engine's fault tests only.
+
+Its knobs break one thing each (no prompt log-probs, another model name, a key,
+a redirect to another host, a tokenizer that cuts text otherwise); the
+measurements themselves are tested against real ``vllm serve`` processes.
+Text prompts are cut by the embedded model's tokenizer, as the real server's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+VOCAB = 259
+STREAM_TOKEN_S = 0.005  # between streamed tokens
+
+
+@dataclass
+class Knobs:
+    model: str = "served-bf16"
+    api_key: str | None = None  # required Bearer key, if set
+    prompt_logprobs: bool = True  # False: answers without them, as servers without the vLLM extension do
+    max_logprobs: int = 20
+    shifted_tokenizer: bool = False  # text prompts are cut into other ids than the local tokenizer's
+    redirect_to: str | None = None  # every request is redirected there
+    requests: list[str] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+
+
+def _tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from pytest_fp8gate.demo.embedded import embedded_assets
+
+    return AutoTokenizer.from_pretrained(str(embedded_assets().model))
+
+
+class FakeEndpoint:
+    """``with FakeEndpoint(Knobs(...)) as url:`` serves on 127.0.0.1 until the block ends."""
+
+    def __init__(self, knobs: Knobs) -> None:
+        self.knobs = knobs
+        self.tokenizer = _tokenizer()
+        handler = type("Handler", (_Handler,), {"endpoint": self})
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> str:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self.url
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt))
+            return [(i + 1) % VOCAB for i in ids] if self.knobs.shifted_tokenizer else ids
+        return list(prompt)
+
+    def completion(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if body.get("model") != self.knobs.model:
+            return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}}
+        ids = self.prompt_ids(body["prompt"])
+        choice: dict[str, Any] = {"index": 0, "text": " 42", "finish_reason": "length"}
+        want = body.get("prompt_logprobs")
+        if want is not None and self.knobs.prompt_logprobs:
+            count = VOCAB if want == -1 else want
+            if count > self.knobs.max_logprobs and self.knobs.max_logprobs != -1:
+                return 400, {"error": {"message": f"Requested prompt logprobs of {count}, which is greater than "
+                                                  f"max allowed: {self.knobs.max_logprobs}"}}
+            rows: list[Any] = [None]
+            for token in ids[1:]:
+                row = {str(token): {"logprob": -1.0, "rank": 1 + token % 7}}
+                row.update({str(t): {"logprob": -1.0 - r, "rank": r + 1} for r, t in enumerate(range(count))})
+                rows.append(row)
+            choice["prompt_logprobs"] = rows
+        return 200, {"id": "cmpl-fake", "object": "text_completion", "model": self.knobs.model, "choices": [choice]}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    endpoint: FakeEndpoint
+
+    def log_message(self, format: str, *args: Any) -> None:  # keep the test output clean
+        pass
+
+    def _answer(self, status: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _gatekeeper(self) -> bool:
+        knobs = self.endpoint.knobs
+        knobs.requests.append(self.path)
+        knobs.headers.append(dict(self.headers))
+        if knobs.redirect_to is not None:
+            self.send_response(302)
+            self.send_header("Location", knobs.redirect_to + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return False
+        if knobs.api_key is not None and self.headers.get("Authorization") != f"Bearer {knobs.api_key}":
+            self._answer(401, {"error": "Unauthorized"})
+            return False
+        return True
+
+    def do_GET(self) -> None:
+        if not self._gatekeeper():
+            return
+        if self.path == "/health":
+            self._answer(200, {})
+        elif self.path == "/v1/models":
+            self._answer(200, {"object": "list", "data": [{"id": self.endpoint.knobs.model, "max_model_len": 2048}]})
+        elif self.path == "/version":
+            self._answer(200, {"version": "0.0.0-fake"})
+        else:
+            self._answer(404, {"error": "not found"})
+
+    def do_POST(self) -> None:
+        if not self._gatekeeper():
+            return
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path != "/v1/completions":
+            self._answer(404, {"error": "not found"})
+            return
+        if body.get("stream"):
+            self._stream(int(body.get("max_tokens", 16)))
+            return
+        self._answer(*self.endpoint.completion(body))
+
+    def _stream(self, tokens: int) -> None:
+        """One server-sent event a token, ``STREAM_TOKEN_S`` apart, then [DONE]."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i in range(tokens):
+            time.sleep(STREAM_TOKEN_S)
+            event = {"choices": [{"index": 0, "text": "x", "token_ids": [120]}]}
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")

