@@ -267,10 +267,10 @@ def _floor_ratio(value: Any) -> float | dict[str, float]:
     return {name: _RATIO(factor) for name, factor in value.items()}
 
 
+# The limits the probability rules and their decode-phase twins share.
+_FIDELITY_LIMIT_CHECKS = {"min_same_top": _POSITIVE_FRACTION, "max_rms_dp": _FRACTION, "max_mean_kl": _number(0)}
 _PROBABILITY_LIMIT_CHECKS = {
-    "min_same_top": _POSITIVE_FRACTION,
-    "max_rms_dp": _FRACTION,
-    "max_mean_kl": _number(0),
+    **_FIDELITY_LIMIT_CHECKS,
     "max_ppl_ratio": _RATIO,
     "floor_ratio": _floor_ratio,
     "limit_se": _number(0),
@@ -304,9 +304,7 @@ _TASK_LIMIT_CHECKS = {
 }
 _DECODE_CHECKS = {"prompts": _integer(1), "prompt_tokens": _integer(1), "new_tokens": _integer(1)}
 _DECODE_LIMIT_CHECKS = {
-    "min_same_top": _POSITIVE_FRACTION,
-    "max_rms_dp": _FRACTION,
-    "max_mean_kl": _number(0),
+    **_FIDELITY_LIMIT_CHECKS,
     "max_gap_kl": _number(0),
     "floor_ratio": _RATIO,
     "gap_ratio": _RATIO,
