@@ -102,16 +102,18 @@ def test_demo_creates_its_workdir_and_collects_the_demo_rules(tmp_path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir), "--checkpoints", "--",
          "--collect-only", "-q"],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (workdir / "thresholds.toml").is_file()
     assert "thresholds.toml::test_flips_within_noise_floor[fp8-per-channel-tiny-arith]" in done.stdout
     assert "thresholds.toml::test_kl_within_limit[fp8-per-channel]" in done.stdout
-    # fp8_per_channel online, the two checkpoints and the BF16 control written from the model, 7 rules each
+    # fp8_per_channel online, the FP8 KV cache, the two checkpoints and the BF16 control written from the
+    # model: 7 rules each, and the 4 of the decode phase
     assert "thresholds.toml::test_kl_within_limit[fp8-dynamic]" in done.stdout
     assert "thresholds.toml::test_kl_within_limit[fp8-static]" in done.stdout
     assert "thresholds.toml::test_kl_within_limit[bf16-rerounded]" in done.stdout
-    assert "28 tests collected" in done.stdout
+    assert "thresholds.toml::test_decode_vs_prefill_gap[bf16-fp8-kv]" in done.stdout
+    assert "55 tests collected" in done.stdout
 
 
 def test_demo_on_cuda_judges_speed_with_cuda_graphs(tmp_path) -> None:
