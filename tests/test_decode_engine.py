@@ -4,7 +4,6 @@ one engine start."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 from pytest_fp8gate import decode_passes
 from pytest_fp8gate.decode_phase import compare_decode
 from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.engine import ALL_AT_ONCE, Engine
+from pytest_fp8gate.engine import ALL_AT_ONCE, IN_PROCESS_ENV, Engine
 from pytest_fp8gate.spec import DecodeSpec, ModelSpec
 
 pytestmark = pytest.mark.engine
@@ -23,15 +22,18 @@ ENGINE = {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True, "gp
 SPEC = DecodeSpec(prompts=2, prompt_tokens=1980, new_tokens=60)  # to the end of the 2,048-token context
 
 
-def _engine(model: Path) -> Engine:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    return Engine(ModelSpec("m", str(model), None, ENGINE), max_logprobs=-1)
-
-
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def measured() -> dict:
     source = embedded_assets().model
-    engine = _engine(source)
+    # The engine core in this process, for this module only: later tests (the SIGKILL one)
+    # start gates whose engines must run in child processes.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(IN_PROCESS_ENV, "0")
+        return _measure(source)
+
+
+def _measure(source: Path) -> dict:
+    engine = Engine(ModelSpec("m", str(source), None, ENGINE), max_logprobs=-1)
     try:
         ids = engine.encode(embedded_assets().corpus.read_text(encoding="utf-8"), True)
         prompts = decode_passes.decode_prompts([ids[:2000], ids[2000:4000]], SPEC)

@@ -18,6 +18,7 @@ import pytest
 from fakes import checkout_env
 from pytest_fp8gate import lifecycle
 from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.engine import IN_PROCESS_ENV
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
@@ -68,6 +69,7 @@ def test_sigkill_of_a_running_gate_leaves_no_engine_process(tmp_path: Path) -> N
     (tmp_path / "test_gate.py").write_text("")  # the plugin collects the rules; a module keeps rootdir here
     artifacts = tmp_path / "artifacts"
     env = checkout_env()
+    env.pop(IN_PROCESS_ENV, None)  # another test may have set it in this process; this gate's engine is a child
     gate = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--fp8gate-config", "thresholds.toml",
          "--fp8gate-artifacts", str(artifacts)],
