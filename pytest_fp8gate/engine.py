@@ -134,6 +134,7 @@ class Engine:
         self.start_s = time.perf_counter() - started
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self._facts: dict[str, Any] | None = None
 
     # ---- facts -------------------------------------------------------------
 
@@ -154,8 +155,11 @@ class Engine:
 
     def facts(self) -> dict[str, Any]:
         """What vLLM made of the settings it was given, and what it selected to serve them
-        (the stack fingerprint; read before ``shutdown``)."""
-        return {**provenance.engine_facts(self.llm), "stack": stack.fingerprint(self.llm)}
+        (the stack fingerprint; read before ``shutdown``). Read once: measuring asks while the engine
+        runs (how it served the model) and again for the engine's record at shutdown."""
+        if self._facts is None:
+            self._facts = {**provenance.engine_facts(self.llm), "stack": stack.fingerprint(self.llm)}
+        return self._facts
 
     def encode(self, text: str, add_bos: bool) -> list[int]:
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
