@@ -39,7 +39,7 @@ def null_rounds(argv: Sequence[str], served_name: str, spec: LoadSpec, rounds: i
 
 
 def null_lines(found: list[list[LoadLevel]]) -> list[str]:
-    """Each round's levels, then every later round's fraction of the first's and the lowest per level."""
+    """Each round's levels, every later round's fraction of the first's, and the worst pair per level."""
     lines = []
     for r, levels in enumerate(found):
         for level in levels:
@@ -52,10 +52,12 @@ def null_lines(found: list[list[LoadLevel]]) -> list[str]:
         lines.append(f"    null fraction round {r} / round 0: "
                      + ", ".join(f"c={c}: {f:.3f}" for c, f in fractions.items()))
     if pairs:
-        lowest = {c: min(p[c] for p in pairs) for c in pairs[0]}
-        highest = {c: max(p[c] for p in pairs) for c in pairs[0]}
-        lines.append("    null fraction range per level: " + ", ".join(
-            f"c={c}: {lowest[c]:.3f}-{highest[c]:.3f}" for c in lowest))
+        # Under the null either model may be measured in either round: the worst pair is the slowest
+        # round over the fastest, the lowest fraction a candidate as fast as its baseline can draw.
+        tok_s = {level.concurrency: [levels[i].output_tok_s for levels in found]
+                 for i, level in enumerate(found[0])}
+        lines.append("    null worst pair (slowest round / fastest round): " + ", ".join(
+            f"c={c}: {min(v) / max(v):.3f}" for c, v in tok_s.items()))
     return lines
 
 

@@ -181,7 +181,7 @@ class LoadSpec:
     input_len: int = 1000
     output_len: int = 256
     # The candidate's output tok/s at least this x the baseline's at every level (docs/thresholds.md: its basis).
-    min_throughput_fraction: float = 0.8
+    min_throughput_fraction: float = 0.5
     # Optional SLOs, absolute seconds, met by the candidate at every level.
     max_ttft_p99_s: float | None = None
     max_tpot_p99_s: float | None = None

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch  # noqa: F401
 import transformers  # noqa: F401
+import vllm.envs  # noqa: F401
 
 from fake_endpoint import FakeEndpoint, Knobs
 from pytest_fp8gate import rules
@@ -19,7 +20,8 @@ from pytest_fp8gate.errors import CacheEntryError, ConfigError
 from pytest_fp8gate.rules import LoadLevel, throughput_under_load
 from pytest_fp8gate.thresholds import load_config
 
-# torch and transformers imported above, in this process: pytester's in-process runs unload what they import.
+# torch, transformers and vllm.envs (which the loader reads for env names) imported above, in this process:
+# pytester's in-process runs unload what they import, and torch cannot be imported a second time.
 MODEL = embedded_assets().model.as_posix()
 LOAD = """
 [load]
@@ -132,6 +134,7 @@ def _gate(pytester: pytest.Pytester, base: Knobs, cand: Knobs, load: str = LOAD)
 def test_a_candidate_as_fast_as_its_baseline_passes_with_every_level_side_by_side(pytester: pytest.Pytester):
     result, verdict = _gate(pytester, Knobs(), Knobs(kv_blocks=128))
     result.assert_outcomes(passed=1)
+    result.stdout.re_match_lines([r"^load +fp8 +- +[\d.]+ +0.6 +\+[\d.]+ +pass$"])  # the summary's line
     assert verdict["rule"] == "load" and verdict["limit_key"].endswith("load.min_throughput_fraction = 0.6")
     levels, base = verdict["details"]["levels"], verdict["details"]["baseline_levels"]
     assert [level["concurrency"] for level in levels] == [1, 8] == [level["concurrency"] for level in base]
