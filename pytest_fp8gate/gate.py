@@ -252,6 +252,7 @@ class Gate:
         return Verdict(case, outcome, details, tuple(notes), limit=self._limit(f"speed.{key}", getattr(speed, key)),
                        recompute=roofline_command(*_roofline_inputs(result, bandwidth, context)))
 
+    # ---- speed under load (issue 20): served models ----------------------------
 
     def load(self, case: Case) -> Verdict:
         load = self.config.load
