@@ -18,11 +18,13 @@ import time
 from pathlib import Path
 
 
-def _demo(workdir: Path, questions: int, serve: bool) -> tuple[float, dict[str, tuple[str, float | None]]]:
+def _demo(workdir: Path, questions: int, serve: bool, select: str | None
+          ) -> tuple[float, dict[str, tuple[str, float | None]]]:
     report = workdir / "report.json"
     command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir),
                "--questions", str(questions), *(["--serve"] if serve else []),
-               "--", "--json-report", f"--json-report-file={report}", "-p", "no:randomly"]
+               "--", "--json-report", f"--json-report-file={report}", "-p", "no:randomly",
+               *(["-k", select] if select else [])]
     started = time.perf_counter()
     subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3600,
                    env=dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1"))
@@ -36,12 +38,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--questions", type=int, default=50)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("-k", dest="select", default=None,
+                        help="pytest -k for both modes; a deselected rule's measurement is not made "
+                             "(-k 'not decode': the served engine has no decode phase yet)")
     args = parser.parse_args()
     root = args.workdir or Path(tempfile.mkdtemp(prefix="fp8gate-bench-served-"))
-    local_s, local = _demo(root / "in-process", args.questions, serve=False)
-    served_s, served = _demo(root / "served", args.questions, serve=True)
+    local_s, local = _demo(root / "in-process", args.questions, False, args.select)
+    served_s, served = _demo(root / "served", args.questions, True, args.select)
     same = [rule for rule in local if served.get(rule, ("", None))[0] == local[rule][0]]
-    print(f"demo at {args.questions} questions: in-process {local_s:.1f} s, served {served_s:.1f} s, "
+    chosen = f" (-k {args.select!r})" if args.select else ""
+    print(f"demo at {args.questions} questions{chosen}: in-process {local_s:.1f} s, served {served_s:.1f} s, "
           f"served / in-process = {served_s / local_s:.2f}")
     print(f"verdicts alike in {len(same)} of {len(local)} rule tests")
     for rule, (outcome, figure) in sorted(local.items()):

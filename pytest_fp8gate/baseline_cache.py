@@ -31,7 +31,8 @@ from .dumps import read_logprob_dump
 from .engine import Latency
 from .errors import CacheEntryError
 from .record import BaselineRecord, ModelResult, Needs, PassResult
-from .spec import GateConfig, ModelSpec
+from .rules import LoadLevel
+from .spec import GateConfig, LoadSpec, ModelSpec
 
 FORMAT = 1  # bump when the entry layout or the meaning of a stored number changes
 MANIFEST = "manifest.json"
@@ -71,7 +72,15 @@ def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, An
         # What is measured, not the limit or the bandwidth it is judged against.
         "speed": {name: getattr(speed, name) for name in ("input_len", "output_len", "batch_size", "warmup_iters",
                                                           "iters")} if speed is not None and needs.speed else None,
+        # Like env: only when measured, so that entries without load keep their keys.
+        **({"load": _load_key(config.load)} if config.load is not None and needs.load else {}),
     }
+
+
+def _load_key(load: LoadSpec) -> dict[str, Any]:
+    """What of [load] is measured (not its limits): the levels, their requests and lengths."""
+    return {"concurrencies": list(load.concurrencies), "requests": [load.requests_at(c) for c in load.concurrencies],
+            "input_len": load.input_len, "output_len": load.output_len}
 
 
 # Local files are keyed by their content, not where they are, so that a cache (or a committed
@@ -227,7 +236,7 @@ class BaselineCache:
         for relative in stored["files"]:
             _copy_atomic(entry / relative, target / relative)
         try:
-            return _restore(stored, target, spec, entry)
+            return _restore(stored, target, spec, entry, key)
         except (KeyError, TypeError) as err:
             raise CacheEntryError(f"{entry / RECORD}: lacks {err}") from None
 
@@ -345,6 +354,7 @@ def _serialise(record: BaselineRecord, root: Path) -> dict[str, Any]:
         "kv_cache_tokens": result.kv_cache_tokens,
         "vocab_size": result.vocab_size,
         "latency": result.latency.as_dict() if result.latency else None,
+        "load": [dataclasses.asdict(level) for level in result.load] if result.load is not None else None,
         "chunks": record.chunks,
         "id_scoring_refusal": record.id_scoring_refusal,
         "engine_runs": record.engine_runs,
@@ -359,13 +369,20 @@ def _restore_pass(stored: dict[str, Any], root: Path) -> PassResult:
                       samples={task: root / relative for task, relative in stored["samples"].items()})
 
 
-def _restore(stored: dict[str, Any], root: Path, spec: ModelSpec, entry: Path) -> BaselineRecord:
+def _restore(stored: dict[str, Any], root: Path, spec: ModelSpec, entry: Path, key: dict[str, Any]
+             ) -> BaselineRecord:
     latency = None
     if stored["latency"] is not None:
         names = {f.name for f in dataclasses.fields(Latency)}
         latency = Latency(**{k: v for k, v in stored["latency"].items() if k in names})
     result = ModelResult(spec, _restore_pass(stored["main"], root), stored["start_s"],
                          stored["kv_cache_tokens"], stored["vocab_size"], latency)
+    if "load" in key:  # a baseline judged under load is never reused without its levels
+        levels = stored.get("load")
+        if not levels:
+            raise CacheEntryError(f"{entry / RECORD}: has no load levels, which [load] needs")
+        result.load = [LoadLevel(**{**level, "ttft_s": tuple(level["ttft_s"]), "tpot_s": tuple(level["tpot_s"])})
+                       for level in levels]
     record = BaselineRecord(result, {label: _restore_pass(p, root) for label, p in stored["noise"].items()},
                             stored["chunks"], stored["id_scoring_refusal"], stored["engine_runs"], cached=True)
     record.origin = f"from the baseline cache: {entry} (measured {record.measured_at}; no baseline engine started)"

@@ -42,6 +42,8 @@ def _cases(rule: rules.Rule, config: GateConfig) -> list[Case]:
         return [Case(rule.name, c.name, t.name) for c in config.candidates for t in tasks]
     if rule.kind == "speed":
         return [Case(rule.name, c.name) for c in config.candidates] if config.speed else []
+    if rule.kind == "load":
+        return [Case(rule.name, c.name) for c in config.candidates] if config.load else []
     if rule.kind == "decode":
         limits: Any = config.decode.limits if config.decode else None
     else:
@@ -60,6 +62,7 @@ def needs_of(cases: list[Case]) -> dict[str, Needs]:
             tasks=frozenset([case.task]) if case.task else frozenset(),
             speed=kind == "speed",
             decode=kind == "decode",
+            load=kind == "load",
         )
         needs[case.candidate] = needs.get(case.candidate, Needs()) | need
     return needs

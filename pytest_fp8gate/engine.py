@@ -23,7 +23,8 @@ import numpy as np
 from . import capabilities, lifecycle, provenance, stack
 from .errors import IdScoringUnavailable, MeasurementError
 from .logprobs import LogprobRun
-from .spec import ModelSpec
+from .rules import LoadLevel
+from .spec import LoadSpec, ModelSpec
 
 log = logging.getLogger("fp8gate")
 
@@ -314,6 +315,11 @@ class Engine:
         totals = [timed(full) for _ in range(iters)]
         prefills = [timed(prefill) for _ in range(iters)]
         return Latency(input_len, output_len, batch_size, iters, stats.median(totals), stats.median(prefills))
+
+    def load_levels(self, spec: LoadSpec, seed: int = 0) -> list[LoadLevel]:
+        """Speed under load at each of ``spec``'s concurrencies: only a served model has it (the loader
+        refuses [load] for an in-process one, so this is never reached from a valid config)."""
+        raise MeasurementError(f"{self.spec.name}: [load] measures a served endpoint; this model runs in-process")
 
     # ---- teardown ----------------------------------------------------------
 

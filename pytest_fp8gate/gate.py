@@ -22,7 +22,7 @@ from .errors import GateError, RooflineError
 from .logprobs import TOPK_KL, LogprobComparison
 from .record import PASS_DESCRIPTIONS, ModelResult
 from .rules import RuleOutcome
-from .spec import GateConfig, SpeedSpec, TaskLimits, TaskSpec
+from .spec import GateConfig, LoadSpec, SpeedSpec, TaskLimits, TaskSpec
 from .verdict import Case, Verdict, limit_setting
 from .verdict import number as _number
 
@@ -38,7 +38,7 @@ class Gate:
         # The evidence each rule's judge is given; probability rules share one, driven by their row, and
         # so do the decode phase's (generation_verdicts.decode_phase).
         self._judges: dict[str, Callable[[Case], Verdict]] = {rules.ACCURACY: self.accuracy, rules.FLIPS: self.flips,
-                                                              rules.SPEED: self.speed,
+                                                              rules.SPEED: self.speed, rules.LOAD: self.load,
                                                               rules.DECODE_GAP: self.decode_gap,
                                                               rules.LENGTH_DRIFT: self.length_drift,
                                                               rules.INVALID_RATE: self.invalid_rate}
@@ -251,6 +251,59 @@ class Gate:
         key = outcome.limit_key
         return Verdict(case, outcome, details, tuple(notes), limit=self._limit(f"speed.{key}", getattr(speed, key)),
                        recompute=roofline_command(*_roofline_inputs(result, bandwidth, context)))
+
+    # ---- speed under load (issue 20): served models ----------------------------
+
+    def load(self, case: Case) -> Verdict:
+        load = self.config.load
+        assert load is not None
+        result, base = self.measurements.candidate(case.candidate), self.measurements.baseline()
+        if result.load is None or base.load is None:  # measuring runs every level of a model needing the rule
+            raise GateError(f"{self.config.path}: load: no load levels measured for "
+                            f"{base.spec.name if base.load is None else result.spec.name}")
+        judge = rules.BY_NAME[rules.LOAD].judge
+        assert judge is not None
+        try:
+            outcome = judge(result.load, base.load, load.min_throughput_fraction, load.slos())
+        except ValueError as err:
+            raise GateError(f"load: cannot judge {case.candidate} against {base.spec.name}: {err}") from None
+        notes = [_load_judgement(load, outcome), *_load_table(result.load, base.load),
+                 f"each level: streamed requests of {load.input_len} random prompt ids, {load.output_len} tokens "
+                 "out (ignore_eos), the same prompts for both models; output tok/s = all output tokens over the "
+                 "level's wall time; TPOT per request = (last - first token) / (tokens - 1)",
+                 f"KV-cache capacity (from the server): candidate {result.kv_cache_tokens} tokens, "
+                 f"baseline {base.kv_cache_tokens} tokens"]
+        details = {"levels": [level.as_dict() for level in result.load],
+                   "baseline_levels": [level.as_dict() for level in base.load],
+                   "kv_cache_tokens": result.kv_cache_tokens, "baseline_kv_cache_tokens": base.kv_cache_tokens}
+        key = outcome.limit_key
+        return Verdict(case, outcome, details, tuple(notes), limit=self._limit(f"load.{key}", getattr(load, key)))
+
+
+def _load_judgement(load: LoadSpec, outcome: RuleOutcome) -> str:
+    """Which checks ran at every level, and which one bound (or failed) at which level."""
+    checks = [f"candidate output tok/s >= {load.min_throughput_fraction:g} x the baseline's "
+              "(load.min_throughput_fraction)"]
+    checks += [f"candidate {key.removeprefix('max_').removesuffix('_s').replace('_', ' ').upper()} <= {limit:g} s "
+               f"(load.{key})" for key, limit in load.slos().items() if limit is not None]
+    state = "failed" if not outcome.passed else "bound"
+    return (f"judged at concurrencies {', '.join(map(str, load.concurrencies))}: " + "; ".join(checks)
+            + f". {state} at {outcome.bound_by} by load.{outcome.limit_key}: {_number(outcome.measured)} against "
+            f"{_number(outcome.limit)}")
+
+
+def _load_table(candidate: list[rules.LoadLevel], baseline: list[rules.LoadLevel]) -> list[str]:
+    """Each level's figures of both models side by side, one line a level."""
+    lines = []
+    for own, theirs in zip(candidate, baseline):
+        c, b = own.as_dict(), theirs.as_dict()
+        lines.append(f"c={own.concurrency}, {own.requests} requests: output tok/s baseline {b['output_tok_s']:.1f}, "
+                     f"candidate {c['output_tok_s']:.1f} ({c['output_tok_s'] / b['output_tok_s']:.3f}); TTFT "
+                     f"p50/p99 baseline {b['ttft_p50_s']:.4g}/{b['ttft_p99_s']:.4g} s, candidate "
+                     f"{c['ttft_p50_s']:.4g}/{c['ttft_p99_s']:.4g} s; TPOT p50/p99 baseline "
+                     f"{b['tpot_p50_s'] * 1e3:.4g}/{b['tpot_p99_s'] * 1e3:.4g} ms, candidate "
+                     f"{c['tpot_p50_s'] * 1e3:.4g}/{c['tpot_p99_s'] * 1e3:.4g} ms")
+    return lines
 
 
 def _flip_rule_note(limits: TaskLimits, floor_flips: int, questions: int, outcome: RuleOutcome) -> str:

@@ -6,6 +6,7 @@ key, TLS and redirect rules, sends token ids (so BF16 and FP8 get the same promp
 the tokenizer does to text) and works against any OpenAI-compatible server. It measures what
 ``vllm bench serve`` reports: per request TTFT (first streamed token) and TPOT ((last - first)
 / (output tokens - 1)); per level the output tokens of all requests over the level's wall time.
+The rule that judges the levels (``rules.throughput_under_load``) is in the pure core.
 """
 
 from __future__ import annotations
@@ -13,35 +14,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .http_client import EndpointClient
+from .rules import LoadLevel
+from .spec import LoadSpec
 
-
-@dataclass(frozen=True)
-class LoadLevel:
-    concurrency: int
-    requests: int
-    wall_s: float
-    output_tokens: int
-    ttft_s: tuple[float, ...]
-    tpot_s: tuple[float, ...]
-
-    @property
-    def output_tok_s(self) -> float:
-        return self.output_tokens / max(self.wall_s, 1e-12)
-
-    def percentile(self, values: Sequence[float], q: float) -> float:
-        return float(np.percentile(values, q)) if values else float("nan")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"concurrency": self.concurrency, "requests": self.requests, "wall_s": self.wall_s,
-                "output_tok_s": self.output_tok_s,
-                "ttft_p50_s": self.percentile(self.ttft_s, 50), "ttft_p99_s": self.percentile(self.ttft_s, 99),
-                "tpot_p50_s": self.percentile(self.tpot_s, 50), "tpot_p99_s": self.percentile(self.tpot_s, 99)}
+WARMUP_TOKENS = 8  # a warm-up level's output: it only has to reach every batch size once
 
 
 def _one(client: EndpointClient, body: dict[str, Any]) -> tuple[float, float, int]:
@@ -64,8 +45,11 @@ def _one(client: EndpointClient, body: dict[str, Any]) -> tuple[float, float, in
 
 
 def measure_level(client: EndpointClient, model: str, concurrency: int, requests: int, input_len: int,
-                  output_len: int, vocab_size: int, seed: int = 0) -> LoadLevel:
-    """``requests`` streamed requests of random prompt ids, ``concurrency`` in flight at a time."""
+                  output_len: int, vocab_size: int, seed: int | Sequence[int] = 0) -> LoadLevel:
+    """``requests`` streamed requests of random prompt ids, ``concurrency`` in flight at a time.
+
+    The same ``seed`` gives the same prompts, so a baseline and its candidate are sent alike; a
+    second measurement of one server needs another seed, or its prefix cache serves the prompts."""
     rng = np.random.default_rng(seed)
     bodies = [{"model": model, "prompt": rng.integers(0, min(vocab_size, 10000), input_len).tolist(),
                "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
@@ -78,8 +62,12 @@ def measure_level(client: EndpointClient, model: str, concurrency: int, requests
                      tuple(r[0] for r in results if r[2]), tuple(r[1] for r in results if r[2] > 1))
 
 
-def throughput_fractions(candidate: Sequence[LoadLevel], baseline: Sequence[LoadLevel]) -> dict[int, float]:
-    """Candidate output tok/s over the baseline's at each concurrency both measured."""
-    base = {level.concurrency: level.output_tok_s for level in baseline}
-    return {level.concurrency: level.output_tok_s / base[level.concurrency]
-            for level in candidate if base.get(level.concurrency)}
+def measure_levels(client: EndpointClient, model: str, spec: LoadSpec, vocab_size: int,
+                   seed: int = 0) -> list[LoadLevel]:
+    """Every level of ``spec``, after a short warm-up at the highest concurrency. Each level draws its
+    prompts from its own seed (``seed`` and its concurrency), so no level's prompts are in the prefix
+    cache from an earlier one; the same ``seed`` sends a baseline and its candidate the same prompts."""
+    top = max(spec.concurrencies)
+    measure_level(client, model, top, top, spec.input_len, WARMUP_TOKENS, vocab_size, seed=(seed, 0))
+    return [measure_level(client, model, c, spec.requests_at(c), spec.input_len, spec.output_len, vocab_size,
+                          seed=(seed, c)) for c in spec.concurrencies]

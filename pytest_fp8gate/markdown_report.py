@@ -120,6 +120,7 @@ class _Candidate:
         lines += [""] if unjudged else []
         lines += _decode_lines(self.verdicts)
         lines += self.speed_lines() + [""]
+        lines += self.load_lines()
         for task in self.data.config.tasks:
             lines += self.flip_lines(task)
         lines += self.plot_lines()
@@ -154,6 +155,22 @@ class _Candidate:
                 kv += f", {self.result.kv_cache_tokens / base.kv_cache_tokens:.2f}x"
             kv += ")"
         return [text, "", kv + "."]
+
+    def load_lines(self) -> list[str]:
+        """[load]'s levels of both models side by side, where both were measured."""
+        base = self.data.baseline.result if self.data.baseline else None
+        if self.result is None or self.result.load is None or base is None or base.load is None:
+            return []
+        rows = []
+        for own, theirs in zip(self.result.load, base.load):
+            c, b = own.as_dict(), theirs.as_dict()
+            rows.append((str(own.concurrency), f"{b['output_tok_s']:.1f}", f"{c['output_tok_s']:.1f}",
+                         f"{c['output_tok_s'] / b['output_tok_s']:.3f}" if b["output_tok_s"] else "-",
+                         f"{c['ttft_p50_s']:.4g} / {c['ttft_p99_s']:.4g}",
+                         f"{c['tpot_p50_s'] * 1e3:.4g} / {c['tpot_p99_s'] * 1e3:.4g}"))
+        return ["Speed under load (served):", "", *table(("concurrency", "baseline tok/s", "candidate tok/s",
+                                                          "fraction", "candidate TTFT p50 / p99 s",
+                                                          "candidate TPOT p50 / p99 ms"), rows), ""]
 
     def comparisons(self, task: TaskSpec) -> tuple[AnswerComparison, dict[str, AnswerComparison]] | None:
         baseline = self.data.baseline

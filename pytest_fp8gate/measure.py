@@ -250,13 +250,14 @@ class Measurements:
             if needs.probabilities or needs.decode:
                 assert self.config.probabilities is not None
                 self._chunks = corpus_mod.chunk_corpus(engine, self.config.probabilities, self.config.path)
-            self._baseline = self._measure_with(engine, spec, needs)
+            self._baseline = result = self._measure_with(engine, spec, needs)
             if BATCH_ORDER_PASS in passes:
                 self._noise[BATCH_ORDER_PASS] = self._passes(engine, spec, needs, BATCH_ORDER_PASS, BATCH_ORDER)
             # After the passes without it, so that what it leaves in the prefix cache changes none of them.
             self._measure_decode(engine, spec, needs)
             if BATCH_ORDER_PASS in passes:
                 self._decode_floor(engine, needs, BATCH_ORDER_PASS, BATCH_ORDER)
+            self._measure_load(engine, result, needs)
         if FP16_PASS in passes:
             with self._running(spec, f"{spec.name}-fp16", dtype="float16") as engine:
                 self._noise[FP16_PASS] = self._passes(engine, spec, needs, FP16_PASS)
@@ -274,6 +275,7 @@ class Measurements:
             self.candidate_noise[spec.name] = {
                 label: self._passes(engine, spec, own_floor, label, BATCH_ORDER)
                 for label in self.config.noise.candidate_passes}
+            self._measure_load(engine, result, needs)
         self._write_provenance(spec)
         return result
 
@@ -310,6 +312,18 @@ class Measurements:
             self._look_up_speed_inputs(result)
         self._write_engine_facts(spec.name, result, engine)
         return result
+
+    def _measure_load(self, engine: Engine, result: ModelResult, needs: Needs) -> None:
+        """[load]'s levels, last in the engine's lifetime: their random prompts then evict none of the
+        passes' prompts from the server's prefix cache. The same seed for every model: the same prompts."""
+        if not needs.load or self.config.load is None:
+            return
+        started = time.perf_counter()
+        result.load = engine.load_levels(self.config.load)
+        self._write_engine_facts(result.spec.name, result, engine)  # engine.json gets the levels
+        self.announce(f"fp8gate: measured {result.spec.name} [load]: " + ", ".join(
+            f"c={level.concurrency} {level.output_tok_s:.1f} tok/s" for level in result.load)
+            + f" in {time.perf_counter() - started:.1f} s")
 
     def _look_up_speed_inputs(self, result: ModelResult) -> None:
         """What the speed rule judges against, looked up now so that judging probes nothing."""
@@ -398,6 +412,7 @@ class Measurements:
             "engine_start_s": result.start_s,
             "kv_cache_tokens": result.kv_cache_tokens,
             "latency": result.latency.as_dict() if result.latency else None,
+            "load": [level.as_dict() for level in result.load] if result.load is not None else None,
             "provenance": self._pass_provenance(result.spec, engine),
         }
         atomic_write_text(self.artifacts / name / "engine.json", json.dumps(facts, indent=1))

@@ -17,6 +17,7 @@ from .decode_phase import DecodeRun
 from .dumps import read_lm_eval_samples
 from .engine import Latency
 from .logprobs import LogprobRun
+from .rules import LoadLevel
 from .spec import BATCH_ORDER_PASS, FP16_PASS, ModelSpec, TaskSpec
 
 # The noise pass re-runs the baseline in one call, as the main pass, but in another order:
@@ -43,10 +44,11 @@ class Needs:
     tasks: frozenset[str] = frozenset()
     speed: bool = False
     decode: bool = False  # the decode phase (decode_passes): continuations, and prefills of their ids
+    load: bool = False  # speed under load at a served endpoint (load.py)
 
     def __or__(self, other: "Needs") -> "Needs":
         return Needs(self.probabilities or other.probabilities, self.tasks | other.tasks, self.speed or other.speed,
-                     self.decode or other.decode)
+                     self.decode or other.decode, self.load or other.load)
 
 
 @dataclass
@@ -78,6 +80,8 @@ class ModelResult:
     # How the engine served the model when that is not what its name says (FP8 layers through a
     # weight-only kernel), from its engine's stack fingerprint.
     served_otherwise: str | None = None
+    # [load]'s levels, in its concurrencies' order (None: not measured; the baseline cache stores them).
+    load: list[LoadLevel] | None = None
 
 
 @dataclass

@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from .answers import binomial_se, detectable_flip_rate, flip_ratio_p
 
 __all__ = [
@@ -39,12 +41,17 @@ __all__ = [
     "minimum_flip_allowance",
     "DecodeSpeed",
     "decode_speed",
+    "LoadLevel",
+    "throughput_fractions",
+    "throughput_under_load",
 ]
 
 Row = tuple[str, float]
 
 # The names of the rules judged by a function of their own (the probability rules' names are in RULES).
 ACCURACY, FLIPS, SPEED = "accuracy", "flips", "speed"
+# Speed under load at a served endpoint (issue 20): throughput against the baseline's, optional latency SLOs.
+LOAD = "load"
 # Optional task rules on the answers' form (collected only where their limit is set).
 LENGTH_DRIFT, INVALID_RATE = "length_drift", "invalid_rate"
 # The decode phase's rules (generation_verdicts.py gathers their evidence); DECODE_GAP is the candidate's own
@@ -444,6 +451,81 @@ def invalid_rate_within(base_rate: float, cand_rate: float, floor_rate: float | 
                     figures, bound_by="noise floor" if floor_rise > max_increase else None)
 
 
+@dataclass(frozen=True)
+class LoadLevel:
+    """One concurrency level of a served model's load measurement (load.py measures it): its wall
+    time, output tokens, and each request's TTFT and TPOT (what ``vllm bench serve`` reports)."""
+
+    concurrency: int
+    requests: int
+    wall_s: float
+    output_tokens: int
+    ttft_s: tuple[float, ...]
+    tpot_s: tuple[float, ...]
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / max(self.wall_s, 1e-12)
+
+    def percentile(self, values: Sequence[float], q: float) -> float:
+        return float(np.percentile(values, q)) if values else float("nan")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"concurrency": self.concurrency, "requests": self.requests, "wall_s": self.wall_s,
+                "output_tok_s": self.output_tok_s,
+                "ttft_p50_s": self.percentile(self.ttft_s, 50), "ttft_p99_s": self.percentile(self.ttft_s, 99),
+                "tpot_p50_s": self.percentile(self.tpot_s, 50), "tpot_p99_s": self.percentile(self.tpot_s, 99)}
+
+
+def throughput_fractions(candidate: Sequence[LoadLevel], baseline: Sequence[LoadLevel]) -> dict[int, float]:
+    """Candidate output tok/s over the baseline's at each concurrency both measured."""
+    base = {level.concurrency: level.output_tok_s for level in baseline}
+    return {level.concurrency: level.output_tok_s / base[level.concurrency]
+            for level in candidate if base.get(level.concurrency)}
+
+
+# The latency SLOs of the load rule: its setting and the LoadLevel figure it bounds.
+LOAD_SLOS = {"max_ttft_p99_s": "ttft_p99_s", "max_tpot_p99_s": "tpot_p99_s"}
+
+
+def throughput_under_load(candidate: Sequence[LoadLevel], baseline: Sequence[LoadLevel],
+                          min_throughput_fraction: float, slos: Mapping[str, float | None] | None = None
+                          ) -> RuleOutcome:
+    """At every concurrency, the candidate's output tok/s at least ``min_throughput_fraction`` x the
+    baseline's, and each SLO set in ``slos`` (``LOAD_SLOS``' keys: p99 TTFT, p99 TPOT, in seconds)
+    met by the candidate. The check with the least room, relative to its limit, binds: ``limit_key``
+    names its setting and ``bound_by`` its level ("concurrency 64"); a figure that could not be
+    measured (no streamed token, so no TTFT) misses its SLO."""
+    base = {level.concurrency: level for level in baseline}
+    if not candidate or [level.concurrency for level in candidate] != list(base):
+        raise ValueError(f"the candidate's load levels {[level.concurrency for level in candidate]} are not "
+                         f"the baseline's {list(base)}")
+    rows: list[Row] = []
+    figures: dict[str, float] = {}
+    checks: list[tuple[float, float, float, float, str, int]] = []  # relative room, measured, limit, margin, key, c
+    for level in candidate:
+        c, own, theirs = level.concurrency, level.as_dict(), base[level.concurrency].as_dict()
+        if not theirs["output_tok_s"] > 0:
+            raise ValueError(f"the baseline streamed no output tokens at concurrency {c}")
+        fraction = own["output_tok_s"] / theirs["output_tok_s"]
+        rows += [(f"c={c} baseline output tok/s", theirs["output_tok_s"]),
+                 (f"c={c} candidate output tok/s", own["output_tok_s"]), (f"c={c} fraction of baseline", fraction),
+                 *((f"c={c} candidate {name.removesuffix('_s').replace('_', ' ').upper()} s", own[name])
+                   for name in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"))]
+        figures[f"fraction_c{c}"] = fraction
+        checks.append((fraction / min_throughput_fraction - 1, fraction, min_throughput_fraction,
+                       fraction - min_throughput_fraction, "min_throughput_fraction", c))
+        for key, limit in (slos or {}).items():
+            if limit is not None:
+                measured = own[LOAD_SLOS[key]]
+                room = 1 - measured / limit if math.isfinite(measured) else -math.inf
+                margin = limit - measured if math.isfinite(measured) else -math.inf
+                checks.append((room, measured, limit, margin, key, c))
+    _, measured, limit, margin, key, c = min(checks, key=lambda check: check[0])
+    figures["binding_concurrency"] = c
+    return _outcome(LOAD, measured, limit, margin, rows, key, figures, bound_by=f"concurrency {c}")
+
+
 def is_overhead_bound(speed: DecodeSpeed, overhead_bound_below: float) -> bool:
     """Bytes explain too little of the step time for the bandwidth ceiling to apply."""
     return speed.share < overhead_bound_below
@@ -459,7 +541,7 @@ class Rule:
     its cases are formed: per candidate ("probability", "speed") or per
     candidate and task ("task"), or per candidate on generated text ("decode").
     ``limit_key`` is its limit's key in [probabilities.limits], [decode.limits],
-    a task's limits or [speed]; a probability or decode rule, and a task rule
+    a task's limits, [speed] or [load]; a probability or decode rule, and a task rule
     whose limit has no default, is collected only where that limit is set. A
     probability rule, and a decode rule on the baseline's continuations, is
     decided by its ``bound``, any other rule by its ``judge``: functions of
@@ -468,7 +550,7 @@ class Rule:
 
     name: str
     test: str
-    kind: Literal["probability", "task", "speed", "decode"]
+    kind: Literal["probability", "task", "speed", "decode", "load"]
     limit_key: str
     bound: Callable[..., RuleOutcome] | None = None  # probability rules: at_least or at_most the limit
     ideal: float | None = None  # probability rules: the metric for two identical runs
@@ -485,6 +567,8 @@ RULES: tuple[Rule, ...] = (
     Rule("mean_kl", "test_kl_within_limit", "probability", "max_mean_kl", at_most, 0.0, "kl_se"),
     Rule("ppl_ratio", "test_ppl_ratio_within_limit", "probability", "max_ppl_ratio", at_most, 1.0, "ppl_ratio_se"),
     Rule(SPEED, "test_decode_speed_near_ceiling", "speed", "min_share_of_baseline", judge=decode_speed),
+    # Issue 20: served models only (the loader refuses [load] for an in-process model).
+    Rule(LOAD, "test_throughput_under_load", "load", "min_throughput_fraction", judge=throughput_under_load),
     # Optional additions (issue 22): fidelity on generated text and the answers' form.
     Rule("decode_same_top", "test_decode_same_top", "decode", "min_same_top", at_least, 1.0, "same_top_se"),
     Rule("decode_rms_dp", "test_decode_rms_dp", "decode", "max_rms_dp", at_most, 0.0, "rms_dp_se"),

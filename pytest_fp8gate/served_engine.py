@@ -33,14 +33,15 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import corpus as corpus_mod
-from . import endpoint_probe
+from . import endpoint_probe, load
 from .capabilities import EngineCapabilities
 from .engine import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
 from .errors import EndpointError, IdScoringUnavailable
 from .http_client import EndpointClient, redact_url
 from .logprobs import LogprobRun
+from .rules import LoadLevel
 from .server_process import ManagedServer
-from .spec import ModelSpec, ServedSpec
+from .spec import LoadSpec, ModelSpec, ServedSpec
 
 log = logging.getLogger("fp8gate")
 
@@ -188,6 +189,9 @@ class ServedEngine(Engine):
         runs = [timed() for _ in range(iters)]
         return Latency(input_len, output_len, batch_size, iters, stats.median(r[1] for r in runs),
                        stats.median(r[0] for r in runs))
+
+    def load_levels(self, spec: LoadSpec, seed: int = 0) -> list[LoadLevel]:
+        return load.measure_levels(self.client, self.served.served_model_name, spec, self.vocab_size, seed)
 
     # ---- teardown ----------------------------------------------------------
 

@@ -164,6 +164,35 @@ class SpeedSpec:
     bandwidth_gbps: float = 0.0  # 0: from the GPU table
 
 
+# Requests a load level sends by default: each of its concurrency's slots serves at least this many, so
+# the ramp-up and drain (fewer than c in flight) are a small part of the level's wall time ...
+LOAD_REQUESTS_PER_SLOT = 4
+# ... and at least this many in all, so that p99 at concurrency 1 is not a single request's time.
+MIN_LOAD_REQUESTS = 16
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Speed under load at a served endpoint (issue 20): every concurrency for the baseline and each
+    candidate, streamed requests of ``input_len`` random prompt ids and ``output_len`` tokens out."""
+
+    concurrencies: tuple[int, ...] = (1, 8, 64)
+    requests: int | None = None  # per level; None: requests_at's default
+    input_len: int = 1000
+    output_len: int = 256
+    # The candidate's output tok/s at least this x the baseline's at every level (docs/thresholds.md: its basis).
+    min_throughput_fraction: float = 0.5
+    # Optional SLOs, absolute seconds, met by the candidate at every level.
+    max_ttft_p99_s: float | None = None
+    max_tpot_p99_s: float | None = None
+
+    def requests_at(self, concurrency: int) -> int:
+        return self.requests or max(LOAD_REQUESTS_PER_SLOT * concurrency, MIN_LOAD_REQUESTS)
+
+    def slos(self) -> dict[str, float | None]:
+        return {"max_ttft_p99_s": self.max_ttft_p99_s, "max_tpot_p99_s": self.max_tpot_p99_s}
+
+
 @dataclass(frozen=True)
 class DecodeLimits:
     """Limits on generated positions; every one optional (an unset one collects no rule)."""
@@ -203,3 +232,4 @@ class GateConfig:
     # then schedules requests the same way every run instead of as they reach a child process.
     deterministic_scheduling: bool = False
     decode: DecodeSpec | None = None  # the decode-phase check; needs [probabilities] for its prompts
+    load: LoadSpec | None = None  # speed under load; every model served

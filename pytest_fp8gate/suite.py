@@ -46,6 +46,10 @@ def test_decode_speed_near_ceiling(fp8gate: GateSession, case, request: pytest.F
     fp8gate.enforce(case, request.node)
 
 
+def test_throughput_under_load(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
 def test_decode_same_top(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
     fp8gate.enforce(case, request.node)
 

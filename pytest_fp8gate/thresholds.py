@@ -28,6 +28,7 @@ from .spec import (
     DecodeSpec,
     FileCorpus,
     GateConfig,
+    LoadSpec,
     ModelSpec,
     NoiseSpec,
     ProbabilityLimits,
@@ -327,6 +328,28 @@ _SPEED_CHECKS = {
 }
 
 
+
+def _concurrencies(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise _Invalid(f"expected a non-empty array of positive integers, e.g. [1, 8, 64], got {_show(value)}")
+    check = _integer(1)
+    levels = tuple(check(item) for item in value)
+    if len(set(levels)) != len(levels):
+        raise _Invalid(f"expected each concurrency at most once, got {list(levels)}")
+    return levels
+
+
+_LOAD_CHECKS = {
+    "concurrencies": _concurrencies,
+    "requests": _integer(1),
+    "input_len": _integer(1),
+    "output_len": _integer(2),  # TPOT needs a second token
+    "min_throughput_fraction": _number(0, low_open=True),
+    "max_ttft_p99_s": _number(0, low_open=True),
+    "max_tpot_p99_s": _number(0, low_open=True),
+}
+
+
 # --- tables -------------------------------------------------------------------
 
 
@@ -380,7 +403,7 @@ class _Parser:
 
     def gate(self, raw: dict[str, Any], path: Path) -> GateConfig:
         top = _Table(self, "", raw, ("device", "deterministic_scheduling", "baseline", "candidates", "noise",
-                                     "probabilities", "decode", "tasks", "speed"))
+                                     "probabilities", "decode", "tasks", "speed", "load"))
         if "baseline" not in raw:
             raise self.error("baseline", "missing required table [baseline]")
         baseline = self.model_spec(top.table("baseline", _MODEL_KEYS), None)
@@ -410,14 +433,17 @@ class _Parser:
             device=top.get("device", _text(("cuda", "cpu")), "cuda"),
             deterministic_scheduling=top.get("deterministic_scheduling", _boolean, False),
             decode=self.decode(top.table("decode", (*_DECODE_CHECKS, "limits"))) if "decode" in raw else None,
+            load=self.load(top.table("load", _LOAD_CHECKS)) if "load" in raw else None,
         )
-        if config.probabilities is None and not config.tasks and config.speed is None:
-            raise self.error("(top level)", "expected at least one check: [probabilities], [[tasks]] or [speed]")
+        if config.probabilities is None and not config.tasks and config.speed is None and config.load is None:
+            raise self.error("(top level)", "expected at least one check: [probabilities], [[tasks]], [speed] "
+                                            "or [load]")
         self.check_decode_prompts(config)
         self.check_context_fits(config)
         self.check_external_noise(config)  # issue 20
         self.check_top_k_fits(config)
         self.check_speed_models(config)
+        self.check_load_served(config)
         return config
 
     # models
@@ -715,6 +741,23 @@ class _Parser:
                 )
         return SpeedSpec(**values)
 
+    def load(self, table: _Table) -> LoadSpec:
+        spec = LoadSpec(**table.values(LoadSpec, _LOAD_CHECKS))
+        if spec.requests is not None and spec.requests < max(spec.concurrencies):
+            raise self.error(table.key("requests"), f"expected at least the highest concurrency, "
+                                                    f"{max(spec.concurrencies)}, got {spec.requests}: the level "
+                                                    "would never have that many requests in flight")
+        return spec
+
+    def check_load_served(self, config: GateConfig) -> None:
+        """Load is measured at an endpoint: refuse [load] now rather than skip its rule at an in-process model."""
+        if config.load is None:
+            return
+        for where, spec in {"baseline": config.baseline, **_indexed("candidates", config.candidates)}.items():
+            if spec.served is None:
+                raise self.error("load", f"needs every model served, but {where} ({spec.name}) runs in-process "
+                                         "(vllm.LLM); expected serve or endpoint in each model's table, or no [load]")
+
     def check_top_k_fits(self, config: GateConfig) -> None:
         """vLLM refuses more log-probs per position than the vocabulary has (known for a local baseline)."""
         base = self.model_configs.get(config.baseline.model)
@@ -754,6 +797,9 @@ class _Parser:
         if config.speed:
             tokens = config.speed.input_len + config.speed.output_len
             needs.append(("speed.output_len", tokens, " (input_len + output_len)"))
+        if config.load:
+            tokens = config.load.input_len + config.load.output_len
+            needs.append(("load.output_len", tokens, " (input_len + output_len)"))
         if config.decode:
             # A prefill of prompt + continuation is scored while generating one token after it.
             tokens = config.decode.prompt_tokens + config.decode.new_tokens + 1

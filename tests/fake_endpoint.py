@@ -1,7 +1,9 @@
-"""A stdlib HTTP server that answers like vLLM's OpenAI API, for the served engine's fault tests only.
+"""A stdlib HTTP server that answers like vLLM's OpenAI API, for the served engine's fault tests and the
+load rule's engine-free tests.
 
 Its knobs break one thing each (no prompt log-probs, another model name, a key,
-a redirect to another host, a tokenizer that cuts text otherwise); the
+a redirect to another host, a tokenizer that cuts text otherwise, a slower stream
+or first token, streams one at a time); the
 measurements themselves are tested against real ``vllm serve`` processes.
 Text prompts are cut by the embedded model's tokenizer, as the real server's.
 """
@@ -27,6 +29,11 @@ class Knobs:
     max_logprobs: int = 20
     shifted_tokenizer: bool = False  # text prompts are cut into other ids than the local tokenizer's
     redirect_to: str | None = None  # every request is redirected there
+    # Streaming: the gap between tokens (a slower build), and the wait before the first one (prefill).
+    stream_token_s: float = STREAM_TOKEN_S
+    first_token_s: float = 0.0
+    kv_blocks: int = 64  # /metrics' vllm:cache_config_info, 16-token blocks
+    serialized: bool = False  # streams one request at a time: a build that does not batch
     requests: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
 
@@ -44,6 +51,7 @@ class FakeEndpoint:
 
     def __init__(self, knobs: Knobs) -> None:
         self.knobs = knobs
+        self.one_at_a_time = threading.Lock()  # held while streaming, with Knobs.serialized
         self.tokenizer = _tokenizer()
         handler = type("Handler", (_Handler,), {"endpoint": self})
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -121,6 +129,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(200, {"object": "list", "data": [{"id": self.endpoint.knobs.model, "max_model_len": 2048}]})
         elif self.path == "/version":
             self._answer(200, {"version": "0.0.0-fake"})
+        elif self.path == "/metrics":
+            data = (f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{self.endpoint.knobs.kv_blocks}"}} '
+                    "1.0\n").encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         else:
             self._answer(404, {"error": "not found"})
 
@@ -132,17 +148,23 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(404, {"error": "not found"})
             return
         if body.get("stream"):
-            self._stream(int(body.get("max_tokens", 16)))
+            if self.endpoint.knobs.serialized:
+                with self.endpoint.one_at_a_time:
+                    self._stream(int(body.get("max_tokens", 16)))
+            else:
+                self._stream(int(body.get("max_tokens", 16)))
             return
         self._answer(*self.endpoint.completion(body))
 
     def _stream(self, tokens: int) -> None:
-        """One server-sent event a token, ``STREAM_TOKEN_S`` apart, then [DONE]."""
+        """One server-sent event a token, ``stream_token_s`` apart (after ``first_token_s``), then [DONE]."""
+        knobs = self.endpoint.knobs
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
+        time.sleep(knobs.first_token_s)
         for i in range(tokens):
-            time.sleep(STREAM_TOKEN_S)
+            time.sleep(knobs.stream_token_s)
             event = {"choices": [{"index": 0, "text": "x", "token_ids": [120]}]}
             self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
             self.wfile.flush()

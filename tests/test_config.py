@@ -200,8 +200,8 @@ BAD_INPUTS = {
     ),
     "unknown section": (
         MINIMAL + "[extra]\n",
-        "extra: unknown key; expected one of: baseline, candidates, decode, deterministic_scheduling, device, noise, "
-        "probabilities, speed, tasks",
+        "extra: unknown key; expected one of: baseline, candidates, decode, deterministic_scheduling, device, load, "
+        "noise, probabilities, speed, tasks",
     ),
     "misspelled array of tables": (
         MINIMAL + '[[candidate]]\nname = "x"\n',
@@ -304,7 +304,7 @@ BAD_INPUTS = {
     ),
     "no check at all": (
         MODELS,
-        "(top level): expected at least one check: [probabilities], [[tasks]] or [speed]",
+        "(top level): expected at least one check: [probabilities], [[tasks]], [speed] or [load]",
     ),
     "unknown noise pass": (
         MINIMAL + '[noise]\npasses = ["batch_order"]\n',

@@ -15,7 +15,7 @@ from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.logprobs import LogprobComparison
 from pytest_fp8gate.record import ModelResult
 from pytest_fp8gate.report_hooks import summary_lines
-from pytest_fp8gate.spec import DecodeLimits, ProbabilityLimits, SpeedSpec, TaskLimits
+from pytest_fp8gate.spec import DecodeLimits, LoadSpec, ProbabilityLimits, SpeedSpec, TaskLimits
 from pytest_fp8gate.verdict import Case
 
 
@@ -27,7 +27,8 @@ def test_the_suite_has_one_test_per_rule() -> None:
 
 def test_each_row_names_what_judges_it_and_its_limit() -> None:
     comparison_fields = {f.name for f in dataclasses.fields(LogprobComparison)}
-    tables = {"probability": ProbabilityLimits, "task": TaskLimits, "speed": SpeedSpec, "decode": DecodeLimits}
+    tables = {"probability": ProbabilityLimits, "task": TaskLimits, "speed": SpeedSpec, "decode": DecodeLimits,
+              "load": LoadSpec}
     for rule in rules.RULES:
         assert rule.limit_key in {f.name for f in dataclasses.fields(tables[rule.kind])}, rule
         if rule.kind == "probability" or rule.bound is not None:
@@ -72,14 +73,19 @@ def _gate_file(tmp_path: Path) -> Path:
     return path
 
 
+# The load rule needs served models, which this recorded gate is not: tests/test_load.py collects and judges it
+# (its JSON "rule" and summary line included) over fake endpoints.
+IN_PROCESS_RULES = [rule for rule in rules.RULES if rule.kind != "load"]
+
+
 def test_every_rule_is_collected_under_its_test(pytester: pytest.Pytester, tmp_path: Path) -> None:
     path = _gate_file(tmp_path)
     result = pytester.runpytest("--fp8gate-config", str(path), str(path), "--collect-only", "-q", "-p", "no:randomly")
     ids = [line for line in result.stdout.lines if "::" in line]
-    assert {node.split("::")[1].split("[")[0] for node in ids} == set(rules.BY_TEST)
+    assert {node.split("::")[1].split("[")[0] for node in ids} == {rule.test for rule in IN_PROCESS_RULES}
     # One candidate, one task: each rule's id carries exactly its cases.
     assert sorted(node.split("::")[1] for node in ids) == sorted(
-        f"{rule.test}[fp8-{TASK}]" if rule.kind == "task" else f"{rule.test}[fp8]" for rule in rules.RULES)
+        f"{rule.test}[fp8-{TASK}]" if rule.kind == "task" else f"{rule.test}[fp8]" for rule in IN_PROCESS_RULES)
 
 
 def test_each_verdict_the_json_and_the_summary_use_the_rule_s_name(tmp_path: Path) -> None:
@@ -89,7 +95,7 @@ def test_each_verdict_the_json_and_the_summary_use_the_rule_s_name(tmp_path: Pat
     measurements._candidates["fp8"] = ModelResult(measurements.config.candidates[0], cand, 1.0, None, 8)
     gate = Gate(measurements.config, measurements)
     # speed: tests/test_speed_verdict.py; decode: tests/test_generation_rules.py (they need an engine's continuations)
-    judged = [rule for rule in rules.RULES if rule.kind not in ("speed", "decode")]
+    judged = [rule for rule in IN_PROCESS_RULES if rule.kind not in ("speed", "decode")]
     verdicts = [gate.evaluate(Case(rule.name, "fp8", TASK if rule.kind == "task" else None)) for rule in judged]
     assert [v.outcome.rule for v in verdicts] == [v.case.rule for v in verdicts] == [rule.name for rule in judged]
     assert [v.as_dict()["rule"] for v in verdicts] == [v.case.rule for v in verdicts]

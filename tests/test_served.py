@@ -232,7 +232,7 @@ def test_the_served_demo_serves_each_demo_model_with_its_engine_settings(tmp_pat
 
 def test_latency_and_load_come_from_streamed_tokens():
     from fake_endpoint import STREAM_TOKEN_S
-    from pytest_fp8gate import load
+    from pytest_fp8gate import load, rules
     from pytest_fp8gate.served_engine import ServedEngine
     from pytest_fp8gate.spec import ModelSpec, ServedSpec
 
@@ -249,7 +249,7 @@ def test_latency_and_load_come_from_streamed_tokens():
         assert level.output_tokens == 40 and len(level.ttft_s) == len(level.tpot_s) == 4
         assert STREAM_TOKEN_S <= level.as_dict()["tpot_p50_s"] < 2 * STREAM_TOKEN_S + 0.01
     assert levels[1].output_tok_s > 1.5 * levels[0].output_tok_s  # four in flight beat one at a time
-    fractions = load.throughput_fractions(levels, levels)
+    fractions = rules.throughput_fractions(levels, levels)
     assert fractions == {1: 1.0, 4: 1.0}
 
 

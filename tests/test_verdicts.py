@@ -16,9 +16,10 @@ from pytest_fp8gate.thresholds import load_config
 from pytest_fp8gate.verdict import Verdict
 
 # The rules on generated text are judged and explained in tests/test_generation_rules.py, on models
-# made to fail each of them (a broken KV cache, answers without a parsable answer).
+# made to fail each of them (a broken KV cache, answers without a parsable answer); the load rule, which needs
+# served models, in tests/test_load.py over fake endpoints.
 RULE_TESTS = sorted(name for name in vars(suite) if name.startswith("test_")
-                    and BY_TEST[name].name not in GENERATION_RULES)
+                    and BY_TEST[name].name not in GENERATION_RULES and BY_TEST[name].kind != "load")
 PROBABILITY_ROWS = ["reference", "noise floor", "candidate", "candidate SE (fails beyond 1 SE)", "threshold", "margin"]
 # suite test -> the rows of its table, how its notes start, the limit it names and the command that recomputes it
 EXPLAINED = {
