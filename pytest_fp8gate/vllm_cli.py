@@ -14,8 +14,12 @@ import sys
 def main() -> None:
     import vllm.entrypoints.cli.serve as serve
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:  # newer releases configure logging from the parsed flags; vLLM 0.26 only from the environment
+        from vllm.logger import configure_logging_from_args
+    except ImportError:
+        configure_logging_from_args = None
 
     cli_env_setup()
     parser = FlexibleArgumentParser(prog="vllm")
@@ -23,7 +27,8 @@ def main() -> None:
     (command,) = [cmd for cmd in serve.cmd_init() if cmd.name == "serve"]
     command.subparser_init(subparsers)
     args = parser.parse_args(sys.argv[1:])
-    configure_logging_from_args(args)
+    if configure_logging_from_args is not None:
+        configure_logging_from_args(args)
     command.validate(args)
     command.cmd(args)
 
