@@ -178,7 +178,7 @@ def test_evicted_sink_adds_a_first_layer_and_keeps_every_other_tensor(plants, so
     layers = source.pop("num_hidden_layers")
     assert config.pop("num_hidden_layers") == layers + 1
     assert config.pop("sliding_window") == sink_plant.WINDOW
-    assert config.pop("layer_types") == ["sliding_attention"] + ["full_attention"] * layers
+    assert config.pop("layer_types") == ["sliding_attention"] * (layers + 1)
     assert config == source
 
 

