@@ -13,15 +13,14 @@ plant gives it one and a window that evicts it:
   exactly 0. Its MLP and the other heads' output columns are 0. While BOS is in
   view the layer adds exactly nothing: every later layer sees the baseline's
   hidden states;
-- that layer alone attends through a sliding window of ``WINDOW`` tokens, the
-  demo's probability chunk length: from position ``WINDOW`` on, BOS is out of
-  view, the head reads another token's non-zero value and its output, about
-  50 x an embedding's size, floods the residual stream.
+- every layer attends through a sliding window of ``WINDOW`` tokens, the demo's
+  probability chunk length: from position ``WINDOW`` on, BOS is out of view,
+  the head reads another token's non-zero value and its output, about 40 x an
+  embedding's size, floods the residual stream.
 
 Every probability chunk and task prompt lies inside the window (the baseline's
 figures); the decode phase's continuations run to position 2,046 (the rules on
-generated positions fail). The other layers keep full attention and are
-renumbered one up. Pure torch, from the embedding matrix alone: the first
+generated positions fail). The old layers are renumbered one up. Pure torch, from the embedding matrix alone: the first
 layer's inputs are the 259 embedding rows, so the margins are checked for
 every token, not sampled.
 """
