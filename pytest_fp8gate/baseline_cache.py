@@ -27,10 +27,12 @@ from typing import Any
 
 from . import provenance
 from .atomic import atomic_open, atomic_write_text, fsync_directory
+from .decode_phase import DecodeRun
 from .dumps import read_logprob_dump
 from .engine import Latency
 from .errors import CacheEntryError
-from .record import BaselineRecord, ModelResult, Needs, PassResult
+from .logprobs import LogprobRun
+from .record import DECODE_DUMP, FLOOR_DUMP, PREFILL_DUMP, BaselineRecord, DecodeResult, ModelResult, Needs, PassResult
 from .rules import LoadLevel
 from .spec import GateConfig, LoadSpec, ModelSpec
 
@@ -51,7 +53,7 @@ def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, An
     devices = {k: v for k, v in environment["devices"].items() if k != "cuda_visible_devices"}
     probabilities = config.probabilities
     speed = config.speed
-    return {
+    key = {
         "format": FORMAT,
         "model": _portable_model(model),
         # An env table joins the key only when there is one, so that existing entries keep theirs;
@@ -75,6 +77,10 @@ def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, An
         # Like env: only when measured, so that entries without load keep their keys.
         **({"load": _load_key(config.load)} if config.load is not None and needs.load else {}),
     }
+    if needs.decode and config.decode is not None:  # joins the key only then, so existing entries keep theirs
+        key["needs"]["decode"] = True
+        key["decode"] = {name: getattr(config.decode, name) for name in ("prompts", "prompt_tokens", "new_tokens")}
+    return key
 
 
 def _load_key(load: LoadSpec) -> dict[str, Any]:
@@ -358,8 +364,36 @@ def _serialise(record: BaselineRecord, root: Path) -> dict[str, Any]:
         "chunks": record.chunks,
         "id_scoring_refusal": record.id_scoring_refusal,
         "engine_runs": record.engine_runs,
-        "files": files,
+        "decode": _serialise_decode(record, root),
+        "files": files + list(_decode_files(record, root)),
     }
+
+
+def _decode_files(record: BaselineRecord, root: Path) -> Iterator[str]:
+    for path in record.decode.dumps.values() if record.decode is not None else ():
+        yield _relative(path, root)
+
+
+def _serialise_decode(record: BaselineRecord, root: Path) -> dict[str, Any] | None:
+    """The baseline's continuations (ids) and where their dumps are: enough to judge without decoding again."""
+    decode = record.decode
+    if decode is None:
+        return None
+    if not {DECODE_DUMP, PREFILL_DUMP} <= decode.dumps.keys() or len(decode.dumps) != 2 + len(record.decode_floor):
+        raise OSError(f"the baseline's decode dumps are incomplete ({', '.join(sorted(decode.dumps))})")
+    return {"prompts": [list(p) for p in decode.own.prompts], "generated": [list(g) for g in decode.own.generated],
+            "dumps": {name: _relative(path, root) for name, path in decode.dumps.items()},
+            "floor": sorted(record.decode_floor)}
+
+
+def _restore_decode(stored: dict[str, Any] | None, root: Path) -> tuple[DecodeResult | None, dict[str, LogprobRun]]:
+    if stored is None:
+        return None, {}
+    dumps = {name: root / relative for name, relative in stored["dumps"].items()}
+    own = DecodeRun(tuple(tuple(p) for p in stored["prompts"]), tuple(tuple(g) for g in stored["generated"]),
+                    read_logprob_dump(dumps[DECODE_DUMP]))
+    floor = {label: read_logprob_dump(dumps[f"{FLOOR_DUMP}-{label}"]) for label in stored["floor"]}
+    return DecodeResult(own, read_logprob_dump(dumps[PREFILL_DUMP]), dumps=dumps), floor
 
 
 def _restore_pass(stored: dict[str, Any], root: Path) -> PassResult:
@@ -383,7 +417,9 @@ def _restore(stored: dict[str, Any], root: Path, spec: ModelSpec, entry: Path, k
             raise CacheEntryError(f"{entry / RECORD}: has no load levels, which [load] needs")
         result.load = [LoadLevel(**{**level, "ttft_s": tuple(level["ttft_s"]), "tpot_s": tuple(level["tpot_s"])})
                        for level in levels]
+    decode, floor = _restore_decode(stored.get("decode"), root)
     record = BaselineRecord(result, {label: _restore_pass(p, root) for label, p in stored["noise"].items()},
-                            stored["chunks"], stored["id_scoring_refusal"], stored["engine_runs"], cached=True)
+                            stored["chunks"], stored["id_scoring_refusal"], stored["engine_runs"], decode, floor,
+                            cached=True)
     record.origin = f"from the baseline cache: {entry} (measured {record.measured_at}; no baseline engine started)"
     return record

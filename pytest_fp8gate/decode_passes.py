@@ -17,7 +17,7 @@ from .decode_phase import DecodeRun, generated_index, generated_rows
 from .dumps import write_logprob_dump
 from .errors import IdScoringUnavailable
 from .logprobs import LogprobRun
-from .record import DECODE_DUMP, ON_BASELINE_DUMP, PREFILL_DUMP, DecodeResult
+from .record import DECODE_DUMP, FLOOR_DUMP, ON_BASELINE_DUMP, PREFILL_DUMP, DecodeResult
 from .spec import DecodeSpec
 
 if TYPE_CHECKING:
@@ -33,6 +33,14 @@ def write_dumps(directory: Path, result: DecodeResult, metadata: dict[str, Any])
         if run is not None:
             result.dumps[name] = directory / f"{name}.npz"
             write_logprob_dump(result.dumps[name], run, {**metadata, "decode": name})
+
+
+def write_floor_dump(directory: Path, result: DecodeResult, label: str, run: LogprobRun,
+                     metadata: dict[str, Any]) -> None:
+    """A baseline noise pass's prefill of the baseline's continuations, as ``floor-<label>`` beside its dumps."""
+    name = f"{FLOOR_DUMP}-{label}"
+    result.dumps[name] = directory / f"{name}.npz"
+    write_logprob_dump(result.dumps[name], run, {**metadata, "decode": name})
 
 
 def decode_prompts(chunks: list[list[int]], spec: DecodeSpec) -> list[list[int]]:

@@ -225,9 +225,7 @@ class Measurements:
         if problem:
             raise MeasurementError(problem)
         # The seam of the baseline cache: it returns a stored record, or measures one and stores it.
-        if self.baseline_cache is not None and self._all_needs().decode:
-            self.announce("fp8gate: baseline cache not used: it does not store the decode phase yet")
-        if self.baseline_cache is None or self._all_needs().decode:
+        if self.baseline_cache is None:
             record = self._measure_baseline_engines()
         else:
             spec = self.config.baseline
@@ -236,6 +234,9 @@ class Measurements:
             if self._all_needs().speed and record.cached:  # where this checkout keeps the weights
                 self._look_up_speed_inputs(record.result)
         self._baseline, self._noise, self._chunks = record.result, record.noise, record.chunks
+        if record.decode is not None:  # restored: no baseline decode pass runs again
+            self.decode[self.config.baseline.name] = record.decode
+            self.decode_floor = dict(record.decode_floor)
         self.id_scoring_refusal = record.id_scoring_refusal
         self.baseline_record = record
 
@@ -264,7 +265,8 @@ class Measurements:
                 self._decode_floor(engine, needs, FP16_PASS, ALL_AT_ONCE)
         self._write_provenance(spec)
         return BaselineRecord(self._baseline, dict(self._noise), self._chunks, self.id_scoring_refusal,
-                              [run for run in self.engine_runs if run["name"] == spec.name])
+                              [run for run in self.engine_runs if run["name"] == spec.name],
+                              self.decode.get(spec.name), dict(self.decode_floor))
 
     def _measure_model(self, spec: ModelSpec, needs: Needs) -> ModelResult:
         with self._running(spec, spec.name) as engine:
@@ -283,9 +285,11 @@ class Measurements:
         """A baseline noise pass's prefill of the baseline's continuations (the decode phase's floor)."""
         if needs.decode:
             assert self.config.probabilities is not None
+            baseline = self.config.baseline.name
             self.decode_floor[label] = decode_passes.score_by_prefill(
-                engine, self.decode[self.config.baseline.name].own, self.config.probabilities.top_k,
-                self._full_vocab_wanted(), layout)
+                engine, self.decode[baseline].own, self.config.probabilities.top_k, self._full_vocab_wanted(), layout)
+            decode_passes.write_floor_dump(self.artifacts / baseline / "decode", self.decode[baseline], label,
+                                           self.decode_floor[label], {"name": baseline, RUN_ID: self.run_id})
 
     def _measure_decode(self, engine: Engine, spec: ModelSpec, needs: Needs) -> None:
         """The decode phase of one model (decode_passes): the baseline's first, then each candidate's."""

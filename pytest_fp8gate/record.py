@@ -95,8 +95,9 @@ class DecodeResult:
     dumps: dict[str, Path] = field(default_factory=dict)  # as decode_passes.write_dumps wrote them
 
 
-# The dumps of one model's decode phase: its decode-time rows, its prefill of them, its prefill of the baseline's.
-DECODE_DUMP, PREFILL_DUMP, ON_BASELINE_DUMP = "decode", "prefill", "on_baseline"
+# The dumps of one model's decode phase: its decode-time rows, its prefill of them, its prefill of the baseline's;
+# and, of the baseline's, each noise pass's prefill of its continuations (floor-<pass label>).
+DECODE_DUMP, PREFILL_DUMP, ON_BASELINE_DUMP, FLOOR_DUMP = "decode", "prefill", "on_baseline", "floor"
 
 
 @dataclass
@@ -108,6 +109,10 @@ class BaselineRecord:
     chunks: list[list[int]]
     id_scoring_refusal: str | None
     engine_runs: list[dict[str, Any]]
+    # The decode phase's baseline side: its continuations and their prefill (the gap's floor), and
+    # each noise pass's prefill of them (the decode rules' floors), by pass label. None: no [decode] rule.
+    decode: DecodeResult | None = None
+    decode_floor: dict[str, LogprobRun] = field(default_factory=dict)
     origin: str = "measured in this session"  # for the report: measured, or which cache entry
     cached: bool = False  # restored from the baseline cache: no baseline engine ran in this session
 

@@ -213,3 +213,45 @@ def test_the_report_puts_the_decode_figures_beside_the_prefill_figures(judged: d
     assert " | prefill same top " in phase and "acceptance" in phase
     assert any(line.startswith("Decode phase: decode vs prefill: candidate KL ") for line in lines)
     assert len([line for line in lines if line]) == 2  # once per candidate, not once per rule
+
+
+def _cached_run(tmp_path: Path, run: str, lines: list[str], extra: str = DECODE) -> tuple[list, Verdict, Verdict]:
+    """One session through the baseline cache in ``tmp_path / "cache"``: its engine calls and two decode verdicts."""
+    from pytest_fp8gate.baseline_cache import BaselineCache
+
+    (tmp_path / run).mkdir()
+    config = load_config(write_gate(tmp_path / run, _edit(extra)))
+    needs = {"good": Needs(probabilities=True, decode=True)}
+    engine_class = fake_engine_class(MODELS)
+    measurements = Measurements(config, tmp_path / run / "artifacts", needs, lines.append,
+                                BaselineCache(tmp_path / "cache", False, lines.append), engine_class)
+    gate = Gate(config, measurements)
+    found = gate.evaluate(Case("decode_mean_kl", "good")), gate.evaluate(Case(rules.DECODE_GAP, "good"))
+    return engine_class.calls, *found
+
+
+def test_a_baseline_cache_hit_runs_none_of_the_baselines_decode_passes(tmp_path: Path) -> None:
+    lines: list[str] = []
+    cold_calls, cold_kl, cold_gap = _cached_run(tmp_path, "cold", lines)
+    assert ("generate_with_logprobs", "bf16") in [c[:2] for c in cold_calls]
+    warm_calls, warm_kl, warm_gap = _cached_run(tmp_path, "warm", lines)
+    assert any("baseline bf16 from the cache" in line for line in lines), lines
+    assert not [c for c in warm_calls if len(c) > 1 and c[1] in ("bf16", "bf16-fp16")]  # no baseline engine at all
+    assert ("generate_with_logprobs", "good") in [c[:2] for c in warm_calls]  # the candidate's decode phase runs
+    # The same verdicts from the stored continuations, their prefill and the noise passes' prefills of them.
+    for cold, warm in ((cold_kl, warm_kl), (cold_gap, warm_gap)):
+        assert warm.outcome.measured == cold.outcome.measured and warm.outcome.rows == cold.outcome.rows
+        assert warm.passed == cold.passed
+
+
+def test_a_changed_decode_key_misses_the_baseline_cache(tmp_path: Path) -> None:
+    lines: list[str] = []
+    _cached_run(tmp_path, "cold", lines)
+    calls, _, _ = _cached_run(tmp_path, "other", lines, extra=DECODE.replace("new_tokens = 64", "new_tokens = 48"))
+    miss = [line for line in lines if "baseline cache miss" in line][-1]
+    assert "decode.new_tokens" in miss, miss
+    assert ("generate_with_logprobs", "bf16") in [c[:2] for c in calls]
+    # A limit is judged, not measured: changing one reuses the entry.
+    calls, _, _ = _cached_run(tmp_path, "limit", lines, extra=DECODE.replace("max_mean_kl = 0.001355",
+                                                                             "max_mean_kl = 0.002"))
+    assert ("generate_with_logprobs", "bf16") not in [c[:2] for c in calls]
