@@ -7,6 +7,8 @@ Measure, gate and report see the same methods as for an in-process ``vllm.LLM``:
 - greedy generation and continuation log-probs (lm-eval's requests, through the
   gate's own ``EngineLM``, so BOS handling, stops and the samples files are the
   in-process gate's);
+- the decode phase's continuations: ``logprobs`` per generated token, keyed by
+  token id, with the generated ids (``return_token_ids``);
 - a ``BatchLayout`` becomes order and concurrency: requests submitted in the layout's
   order (its ``stride`` and ``reverse`` included, so each request's neighbours in the
   server's batches change), up to ``MAX_IN_FLIGHT`` in flight, or calls of ``size``
@@ -132,7 +134,7 @@ class ServedEngine(Engine):
     def prompt_logprobs(self, chunks: Sequence[Sequence[int]], top_k: int, full_vocab: bool,
                         layout: BatchLayout = ALL_AT_ONCE) -> LogprobRun:
         rows = self._prompt_rows(chunks, -1 if full_vocab else top_k, layout)
-        parts = [_rows_to_arrays(self.where, row, chunk, top_k, self.vocab_size if full_vocab else None)
+        parts = [_rows_to_arrays(self.where, row, chunk, 1, top_k, self.vocab_size if full_vocab else None)
                  for row, chunk in zip(rows, chunks)]
         return LogprobRun(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                           np.concatenate([p[2] for p in parts]),
@@ -141,6 +143,27 @@ class ServedEngine(Engine):
 
     def logprobs_on_ids(self, chunks: Sequence[Sequence[int]], ids: np.ndarray) -> np.ndarray:
         raise IdScoringUnavailable(NO_ID_SCORING)
+
+    def generate_with_logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int, top_k: int,
+                               full_vocab: bool, layout: BatchLayout = ALL_AT_ONCE
+                               ) -> list[tuple[tuple[int, ...], LogprobRun]]:
+        """Greedy continuations with the completions API's decode-time ``logprobs``, keyed by token id
+        (``return_tokens_as_token_ids``), so no id is re-encoded from text. The whole vocabulary is asked
+        for by its size, not -1: vLLM before PR #46175 refuses -1 there, and before #55717 answers it with
+        empty top lists; a server that returns fewer entries is refused, never read as a bound."""
+        want = self.vocab_size if full_vocab else top_k
+        # ignore_eos: every continuation runs its full length, as in-process.
+        choices = self._completions([{"prompt": list(p), "max_tokens": max_tokens, "ignore_eos": True,
+                                      "logprobs": want, "return_token_ids": True,
+                                      "return_tokens_as_token_ids": True} for p in prompts], layout)
+        results = []
+        for choice in choices:
+            ids, rows = _generated_rows(self.where, choice)
+            real, top_ids, top_lp, full = _rows_to_arrays(self.where, rows, ids, 0, top_k,
+                                                          self.vocab_size if full_vocab else None)
+            results.append((tuple(ids), LogprobRun(real, top_ids, top_lp, full_logprobs=full,
+                                                   token_ids=np.asarray(ids, dtype=np.int64))))
+        return results
 
     # ---- generation --------------------------------------------------------
 
@@ -223,7 +246,7 @@ def _in_layout(layout: BatchLayout, items: Sequence[Any], send: Callable[[Any], 
 def _entry(where: str, row: Any, token: int) -> dict[str, Any]:
     entry = row.get(str(token)) if isinstance(row, dict) else None
     if not isinstance(entry, dict) or "logprob" not in entry:
-        raise EndpointError(f"{where}: a prompt position came back without its own token's log-prob")
+        raise EndpointError(f"{where}: a position came back without its own token's log-prob")
     return entry
 
 
@@ -232,26 +255,50 @@ def _logprob(entry: dict[str, Any]) -> float:
     return -np.inf if value <= CLAMPED_LOGPROB else value
 
 
-def _rows_to_arrays(where: str, rows: list[Any], chunk: Sequence[int], top_k: int, vocab_size: int | None
+def _rows_to_arrays(where: str, rows: list[Any], ids: Sequence[int], first: int, top_k: int, vocab_size: int | None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """vLLM's JSON prompt log-probs of one prompt -> per-position arrays (positions 1..len-1), as
-    engine._flat_to_arrays makes them from vLLM's FlatLogprobs."""
-    real = np.empty(len(chunk) - 1)
-    top_ids = np.empty((len(chunk) - 1, top_k), dtype=np.int64)
-    top_lp = np.empty((len(chunk) - 1, top_k))
-    full = None if vocab_size is None else np.full((len(chunk) - 1, vocab_size), -np.inf, dtype=np.float32)
-    for position in range(1, len(chunk)):
+    """vLLM's JSON log-probs of one request (``rows[i]`` scores ``ids[i]``, as the prompt log-probs' entries
+    do) -> per-position arrays (positions first..len-1), as engine._flat_to_arrays makes them from vLLM's
+    FlatLogprobs. ``vocab_size``: every row must hold the whole vocabulary."""
+    count = len(ids) - first
+    real = np.empty(count)
+    top_ids = np.empty((count, top_k), dtype=np.int64)
+    top_lp = np.empty((count, top_k))
+    full = None if vocab_size is None else np.full((count, vocab_size), -np.inf, dtype=np.float32)
+    for at, position in enumerate(range(first, len(ids))):
         row = rows[position]
-        real[position - 1] = _logprob(_entry(where, row, chunk[position]))
+        real[at] = _logprob(_entry(where, row, ids[position]))
         ranked = sorted(((int(e["rank"]), int(token), _logprob(e)) for token, e in row.items()),
                         key=lambda item: item[0])
-        if len(ranked) < top_k:
-            raise EndpointError(f"{where}: {len(ranked)} prompt log-probs at a position, fewer than top_k {top_k}")
-        top_ids[position - 1] = [t for _, t, _ in ranked[:top_k]]
-        top_lp[position - 1] = [lp for _, _, lp in ranked[:top_k]]
+        if len(ranked) < (vocab_size or top_k):
+            raise EndpointError(f"{where}: {len(ranked)} log-probs at a position, fewer than the "
+                                + (f"whole vocabulary's {vocab_size}" if vocab_size else f"top_k {top_k}"))
+        top_ids[at] = [t for _, t, _ in ranked[:top_k]]
+        top_lp[at] = [lp for _, _, lp in ranked[:top_k]]
         if full is not None:
-            full[position - 1, [t for _, t, _ in ranked]] = [lp for _, _, lp in ranked]
+            full[at, [t for _, t, _ in ranked]] = [lp for _, _, lp in ranked]
     return real, top_ids, top_lp, full
+
+
+def _generated_rows(where: str, choice: dict[str, Any]) -> tuple[list[int], list[dict[str, dict[str, Any]]]]:
+    """A completion's generated ids and its ``logprobs.top_logprobs`` as prompt log-prob rows: keyed by
+    id, ranked by log-prob (the completions API gives no ranks; vLLM lists them in rank order, which the
+    stable sort keeps among ties)."""
+    logprobs = choice.get("logprobs")
+    tops = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+    ids = choice.get("token_ids")
+    if not isinstance(tops, list) or not isinstance(ids, list) or len(tops) != len(ids) or not ids:
+        raise EndpointError(f"{where}: a completion came back without decode-time log-probs and token ids for "
+                            "its generated tokens (the completions API's logprobs and return_token_ids)")
+    rows = []
+    for top in tops:
+        if not isinstance(top, dict) or not all(str(key).startswith("token_id:") for key in top):
+            raise EndpointError(f"{where}: decode-time log-probs not keyed by token id (the completions API's "
+                                "return_tokens_as_token_ids)")
+        ranked = sorted(top.items(), key=lambda item: -float(item[1]))
+        rows.append({key.removeprefix("token_id:"): {"logprob": value, "rank": rank}
+                     for rank, (key, value) in enumerate(ranked, 1)})
+    return [int(i) for i in ids], rows
 
 
 def _local_tokenizer(spec: ModelSpec) -> Any:

@@ -1,7 +1,8 @@
 """A stdlib HTTP server that answers like vLLM's OpenAI API, for the served engine's fault tests and the
 load rule's engine-free tests.
 
-Its knobs break one thing each (no prompt log-probs, another model name, a key,
+Its knobs break one thing each (no prompt or decode-time log-probs, decode-time log-probs
+other than prefill's, another model name, a key,
 a redirect to another host, a tokenizer that cuts text otherwise, a slower stream
 or first token, streams one at a time); the
 measurements themselves are tested against real ``vllm serve`` processes.
@@ -11,6 +12,7 @@ Text prompts are cut by the embedded model's tokenizer, as the real server's.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,11 +23,21 @@ VOCAB = 259
 STREAM_TOKEN_S = 0.005  # between streamed tokens
 
 
+def _logprob(rank: int, scale: float = 1.0) -> float:
+    """Id ``rank`` of the fake's distribution, the same at every position: p(rank r) = (1 - e^-s) e^-(r s)
+    sums to 1 over the vocabulary (to e^-(259 s)), so a full-vocabulary row is a distribution."""
+    return math.log(1 - math.exp(-scale)) - rank * scale
+
+
 @dataclass
 class Knobs:
     model: str = "served-bf16"
     api_key: str | None = None  # required Bearer key, if set
     prompt_logprobs: bool = True  # False: answers without them, as servers without the vLLM extension do
+    # Decode-time log-probs: False answers without them; a skew lowers the runner-up ids' log-probs while
+    # decoding (not in prefill): a KV-cache path that only decode reads.
+    sample_logprobs: bool = True
+    decode_skew: float = 0.0
     max_logprobs: int = 20
     shifted_tokenizer: bool = False  # text prompts are cut into other ids than the local tokenizer's
     redirect_to: str | None = None  # every request is redirected there
@@ -84,11 +96,34 @@ class FakeEndpoint:
                                                   f"max allowed: {self.knobs.max_logprobs}"}}
             rows: list[Any] = [None]
             for token in ids[1:]:
-                row = {str(token): {"logprob": -1.0, "rank": 1 + token % 7}}
-                row.update({str(t): {"logprob": -1.0 - r, "rank": r + 1} for r, t in enumerate(range(count))})
+                row = {str(token): {"logprob": _logprob(token), "rank": 1 + token}}
+                row.update({str(t): {"logprob": _logprob(r), "rank": r + 1} for r, t in enumerate(range(count))})
                 rows.append(row)
             choice["prompt_logprobs"] = rows
+        want = body.get("logprobs")
+        if want is not None:
+            count = VOCAB if want == -1 else want
+            if count > self.knobs.max_logprobs and self.knobs.max_logprobs != -1:
+                return 400, {"error": {"message": f"Requested sample logprobs of {count}, which is greater than "
+                                                  f"max allowed: {self.knobs.max_logprobs}"}}
+            self._decode(choice, int(body.get("max_tokens", 16)), count, bool(body.get("return_tokens_as_token_ids")))
+        if body.get("return_token_ids"):
+            choice["token_ids"] = [0] * int(body.get("max_tokens", 16))  # what _decode writes: id 0, greedily
         return 200, {"id": "cmpl-fake", "object": "text_completion", "model": self.knobs.model, "choices": [choice]}
+
+    def _decode(self, choice: dict[str, Any], tokens: int, count: int, as_ids: bool) -> None:
+        """vLLM's completions ``logprobs``: per generated token its log-prob and a dict of the sampled token
+        and the top ``count``, keyed "token_id:N" with return_tokens_as_token_ids (else by text), -inf as
+        -9999.0. The distribution is the prompt log-probs' (every position alike), so id 0 is the greedy
+        choice; ``decode_skew`` sharpens it while decoding."""
+        if not self.knobs.sample_logprobs:
+            return
+        scale = 1.0 + self.knobs.decode_skew
+        top = {(f"token_id:{t}" if as_ids else self.tokenizer.decode([t])): max(_logprob(r, scale), -9999.0)
+               for r, t in enumerate(range(count))}
+        choice["logprobs"] = {"text_offset": list(range(tokens)), "token_logprobs": [_logprob(0, scale)] * tokens,
+                              "tokens": ["token_id:0" if as_ids else self.tokenizer.decode([0])] * tokens,
+                              "top_logprobs": [dict(top) for _ in range(tokens)]}
 
 
 class _Handler(BaseHTTPRequestHandler):

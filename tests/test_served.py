@@ -7,10 +7,12 @@ The measurements over real ``vllm serve`` processes are in test_served_engine.py
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch  # noqa: F401
@@ -251,6 +253,76 @@ def test_latency_and_load_come_from_streamed_tokens():
     assert levels[1].output_tok_s > 1.5 * levels[0].output_tok_s  # four in flight beat one at a time
     fractions = rules.throughput_fractions(levels, levels)
     assert fractions == {1: 1.0, 4: 1.0}
+
+
+# ---- the decode phase over the completions API -----------------------------------
+
+DECODE = """
+[decode]
+prompts = 1
+prompt_tokens = 50
+new_tokens = 12
+[decode.limits]
+min_same_top = 0.9
+max_rms_dp = 0.05
+max_mean_kl = 0.01
+max_gap_kl = 0.01
+"""
+DECODE_RULES = ("test_decode_same_top", "test_decode_rms_dp", "test_decode_kl", "test_decode_vs_prefill_gap")
+
+
+@pytest.mark.parametrize("full_vocab", [False, True])
+def test_decode_time_logprobs_come_keyed_by_token_id_with_the_generated_ids(full_vocab: bool):
+    from pytest_fp8gate.served_engine import ServedEngine
+    from pytest_fp8gate.spec import ModelSpec, ServedSpec
+
+    want = -1 if full_vocab else 4
+    with FakeEndpoint(Knobs(max_logprobs=want, decode_skew=0.5)) as url:
+        spec = ModelSpec("bf16", MODEL, None, {}, served=ServedSpec("served-bf16", endpoint=url))
+        engine = ServedEngine(spec, max_logprobs=want)
+        written = engine.generate_with_logprobs([[1, 2, 3], [4, 5]], 6, 4, full_vocab)
+        engine.shutdown()
+    assert [ids for ids, _ in written] == [(0,) * 6] * 2  # the fake's greedy id, from return_token_ids
+    for _, run in written:
+        expected = [math.log(1 - math.exp(-1.5)) - 1.5 * r for r in range(4)]
+        assert run.top_ids.tolist() == [[0, 1, 2, 3]] * 6 and run.token_ids.tolist() == [0] * 6
+        assert run.top_logprobs == pytest.approx(np.array([expected] * 6))
+        assert run.real_logprob == pytest.approx(np.full(6, expected[0]))
+        if full_vocab:  # every id of the vocabulary, a distribution (LogprobRun checks that it sums to 1)
+            assert run.full_logprobs is not None and run.full_logprobs.shape == (6, 259)
+            assert np.isfinite(run.full_logprobs).all()
+        else:
+            assert run.full_logprobs is None
+
+
+def _decode_gate(pytester: pytest.Pytester, candidate: Knobs) -> pytest.RunResult:
+    with FakeEndpoint(Knobs()) as url, FakeEndpoint(candidate) as candidate_url:
+        _config(pytester.path, _external(url), _external(candidate_url).replace("served-bf16", "served-fp8"),
+                decode=DECODE)
+        return pytester.runpytest("thresholds.toml", "-p", "no:randomly", "-p", "no:cacheprovider", "-rA")
+
+
+def test_a_served_gate_runs_the_decode_rules_over_the_completions_api(pytester: pytest.Pytester):
+    result = _decode_gate(pytester, Knobs(model="served-fp8"))
+    result.assert_outcomes(passed=PROBABILITY_RULES + len(DECODE_RULES))
+    result.stdout.fnmatch_lines([f"PASSED *::{rule}[[]fp8[]]*" for rule in DECODE_RULES], consecutive=False)
+
+
+def test_a_served_candidate_whose_decode_departs_from_its_prefill_fails_the_gap_rule(pytester: pytest.Pytester):
+    # The fake's decoding sharpens every distribution (a KV-cache path only decode reads); prefill is the
+    # baseline's, so only the candidate's own decode-vs-prefill gap can see it.
+    result = _decode_gate(pytester, Knobs(model="served-fp8", decode_skew=1.0))
+    result.assert_outcomes(passed=PROBABILITY_RULES + len(DECODE_RULES) - 1, failed=1)
+    result.stdout.fnmatch_lines(["FAILED *::test_decode_vs_prefill_gap[[]fp8[]]*"])
+
+
+def test_a_served_candidate_without_decode_time_logprobs_is_named(pytester: pytest.Pytester):
+    result = _decode_gate(pytester, Knobs(model="served-fp8", sample_logprobs=False))
+    result.stdout.fnmatch_lines(["*fp8 at http://127.0.0.1:*: a completion came back without decode-time log-probs "
+                                 "and token ids*"])
+    assert "Traceback" not in result.stdout.str() and "AttributeError" not in result.stdout.str()
+    for rule in DECODE_RULES:
+        result.stdout.fnmatch_lines([f"FAILED *::{rule}[[]fp8[]]*"])
 
 
 # A stand-in server that starts a child of its own, as vllm serve starts its engine core.
