@@ -132,10 +132,13 @@ def _gate(pytester: pytest.Pytester, base: Knobs, cand: Knobs, load: str = LOAD)
 
 
 def test_a_candidate_as_fast_as_its_baseline_passes_with_every_level_side_by_side(pytester: pytest.Pytester):
-    result, verdict = _gate(pytester, Knobs(), Knobs(kv_blocks=128))
+    # Two equal fakes measure a fraction near 1, but on a loaded 2-core machine one level came out at 0.42
+    # (the fakes share the gate's process): judged at 0.3 here, still above a serialized build's 1/8.
+    loose = LOAD.replace("min_throughput_fraction = 0.6", "min_throughput_fraction = 0.3")
+    result, verdict = _gate(pytester, Knobs(), Knobs(kv_blocks=128), loose)
     result.assert_outcomes(passed=1)
-    result.stdout.re_match_lines([r"^load +fp8 +- +[\d.]+ +0.6 +\+[\d.]+ +pass$"])  # the summary's line
-    assert verdict["rule"] == "load" and verdict["limit_key"].endswith("load.min_throughput_fraction = 0.6")
+    result.stdout.re_match_lines([r"^load +fp8 +- +[\d.]+ +0.3 +\+[\d.]+ +pass$"])  # the summary's line
+    assert verdict["rule"] == "load" and verdict["limit_key"].endswith("load.min_throughput_fraction = 0.3")
     levels, base = verdict["details"]["levels"], verdict["details"]["baseline_levels"]
     assert [level["concurrency"] for level in levels] == [1, 8] == [level["concurrency"] for level in base]
     assert all(math.isfinite(level[k]) for level in levels + base for k in ("output_tok_s", "ttft_p99_s", "tpot_p99_s"))
