@@ -12,7 +12,7 @@ README = Path(__file__).parent.parent / "README.md"
 
 
 def test_the_readme_thresholds_file_loads(tmp_path: Path) -> None:
-    (block,) = re.findall(r"```toml\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.DOTALL)
+    block, _ = _toml_blocks()
     path = tmp_path / "thresholds.toml"
     path.write_text(block, encoding="utf-8")
     gate = load_config(path)
@@ -24,3 +24,21 @@ def test_the_readme_thresholds_file_loads(tmp_path: Path) -> None:
     assert gate.probabilities is not None and gate.probabilities.corpus == WIKITEXT_2
     assert [t.task for t in gate.tasks] == ["gsm8k"] and gate.speed is not None
     assert len(block.splitlines()) <= 25
+
+
+def test_the_readme_served_example_loads(tmp_path: Path) -> None:
+    _, block = _toml_blocks()
+    path = tmp_path / "thresholds.toml"
+    path.write_text(block, encoding="utf-8")
+    gate = load_config(path)
+    assert gate.baseline.served is not None and gate.baseline.served.command[0] == "serve"
+    (candidate,) = gate.candidates
+    assert candidate.served is not None and candidate.served.endpoint == "https://llm-fp8.internal:8443"
+    assert gate.load is not None and gate.load.concurrencies == (1, 8, 64)
+
+
+def _toml_blocks() -> list[str]:
+    """The README's two TOML examples: the minimal thresholds file, then the served one."""
+    blocks = re.findall(r"```toml\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.DOTALL)
+    assert len(blocks) == 2, blocks
+    return blocks
