@@ -89,6 +89,11 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--noise-questions", type=int, default=500, help="generated answers a pass in (f)")
+    parser.add_argument("--gate-k", default="",
+                        help="the shape and served gates' -k expression (e.g. 'speed or load': what each engine "
+                             "measures follows the selected rules, so a run that needs only speed starts sooner)")
+    parser.add_argument("--skip-bench-latency", action="store_true",
+                        help="shape part: leave out the vllm bench latency comparison")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     lines = [f"fp8gate gpu-check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {_versions()}"]
@@ -130,6 +135,10 @@ def _versions() -> str:
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     return f"vLLM {vllm.__version__}, torch {torch.__version__}, {device}"
+
+
+def _selection(args: argparse.Namespace) -> list[str]:
+    return ["-k", args.gate_k] if args.gate_k else []
 
 
 def _run(command: list[str], log: Path, timeout: int) -> tuple[int, float]:
@@ -239,7 +248,7 @@ def _shape(args: argparse.Namespace) -> list[str]:
     report = workdir / "report.json"
     command = [sys.executable, "-m", "pytest", str(config), "--fp8gate-config", str(config), "--rootdir",
                str(workdir), "--fp8gate-artifacts", str(workdir / "artifacts"), "-p", "no:cacheprovider",
-               "-p", "no:randomly", "-rfEs", "--json-report", f"--json-report-file={report}"]
+               "-p", "no:randomly", "-rfEs", "--json-report", f"--json-report-file={report}", *_selection(args)]
     code, seconds = _run(command, workdir / "gate.log", 1500)
     lines.append(f"    gate on it (BF16, batch-order noise, online fp8_per_channel, the fp8-dynamic checkpoint): "
                  f"pytest exit {code} in {seconds:.0f} s (log {workdir / 'gate.log'})")
@@ -247,7 +256,8 @@ def _shape(args: argparse.Namespace) -> list[str]:
     lines += _pass_lines(workdir / "gate.log")
     lines += _kl_lines(report)
     lines += _speed_lines(report)
-    lines += _bench_latency(args, workdir, bf16)
+    if not args.skip_bench_latency:
+        lines += _bench_latency(args, workdir, bf16)
     lines.append("(e) free GPU memory around child-process engines (the default), MiB:")
     lines += _memory_lines(workdir / "artifacts" / "gpu_memory.json")
     return lines
@@ -492,7 +502,7 @@ def _served(args: argparse.Namespace) -> list[str]:
     report = workdir / "report.json"
     command = [sys.executable, "-m", "pytest", str(config), "--fp8gate-config", str(config), "--rootdir",
                str(workdir), "--fp8gate-artifacts", str(workdir / "artifacts"), "-p", "no:cacheprovider",
-               "-p", "no:randomly", "-rfEs", "--json-report", f"--json-report-file={report}"]
+               "-p", "no:randomly", "-rfEs", "--json-report", f"--json-report-file={report}", *_selection(args)]
     code, seconds = _run(command, workdir / "gate.log", 2400)
     lines = [f"(i) {args.shape} served by vllm serve (BF16, online fp8_per_channel), gate over HTTP with [load] at "
              f"c={args.concurrencies}: pytest exit {code} in {seconds:.0f} s (log {workdir / 'gate.log'})"]
@@ -502,9 +512,22 @@ def _served(args: argparse.Namespace) -> list[str]:
     lines += _tpot_against_in_process(report, args.workdir / "shape" / "report.json")
     # The null: the BF16 server measured again and again, each round's tok/s over the first's.
     found = null_rounds(models["bf16"].split(), str(bf16), load, args.null_rounds, vocab_size_hint(str(bf16)))
-    lines.append(f"    load null: BF16 served once, measured {args.null_rounds} times at each level:")
+    lines.append(f"    load null: BF16 served once more, measured {args.null_rounds} times at each level:")
     lines += null_lines(found)
+    lines += _null_against_gate(found[0], workdir / "load.json")
     return lines
+
+
+def _null_against_gate(null_round: list[Any], saved: Path) -> list[str]:
+    """The null round over the gate's own BF16 levels: two lifetimes of one server, as a baseline and a
+    candidate are, so the fraction a candidate as fast as BF16 draws across server starts."""
+    gate_levels = json.loads(saved.read_text()).get("bf16", []) if saved.is_file() else []
+    gate_tok_s = {level["concurrency"]: level["output_tok_s"] for level in gate_levels}
+    fractions = [f"c={level.concurrency}: {level.output_tok_s / gate_tok_s[level.concurrency]:.3f}"
+                 for level in null_round if level.concurrency in gate_tok_s]
+    if not fractions:
+        return ["    no gate BF16 levels to set the null round against"]
+    return ["    null fraction, this server's round 0 / the gate's BF16 server: " + ", ".join(fractions)]
 
 
 def _load_lines(report: Path, saved: Path) -> list[str]:
