@@ -21,6 +21,7 @@ from .errors import CheckpointError, ConfigError, RooflineError, UnsupportedEngi
 from .rules import FLIP_RULES, RULES, SPEED_RULES
 from .spec import (
     BATCH_ORDER_PASS,
+    CPU_MIN_THROUGHPUT_FRACTION,
     NOISE_PASSES,
     WIKITEXT_2,
     DatasetCorpus,
@@ -420,6 +421,7 @@ class _Parser:
             for i, item in enumerate(top.array_of_tables("tasks"))
         )
         self.unique_names(_indexed("tasks", tasks))
+        device = top.get("device", _text(("cuda", "cpu")), "cuda")
         config = GateConfig(
             path=path,
             baseline=baseline,
@@ -430,10 +432,10 @@ class _Parser:
             else None,
             tasks=tasks,
             speed=self.speed(top.table("speed", _SPEED_CHECKS)) if "speed" in raw else None,
-            device=top.get("device", _text(("cuda", "cpu")), "cuda"),
+            device=device,
             deterministic_scheduling=top.get("deterministic_scheduling", _boolean, False),
             decode=self.decode(top.table("decode", (*_DECODE_CHECKS, "limits"))) if "decode" in raw else None,
-            load=self.load(top.table("load", _LOAD_CHECKS)) if "load" in raw else None,
+            load=self.load(top.table("load", _LOAD_CHECKS), device) if "load" in raw else None,
         )
         if config.probabilities is None and not config.tasks and config.speed is None and config.load is None:
             raise self.error("(top level)", "expected at least one check: [probabilities], [[tasks]], [speed] "
@@ -741,8 +743,11 @@ class _Parser:
                 )
         return SpeedSpec(**values)
 
-    def load(self, table: _Table) -> LoadSpec:
-        spec = LoadSpec(**table.values(LoadSpec, _LOAD_CHECKS))
+    def load(self, table: _Table, device: str) -> LoadSpec:
+        values = table.values(LoadSpec, _LOAD_CHECKS)
+        if device == "cpu" and "min_throughput_fraction" not in table.raw:
+            values["min_throughput_fraction"] = CPU_MIN_THROUGHPUT_FRACTION
+        spec = LoadSpec(**values)
         if spec.requests is not None and spec.requests < max(spec.concurrencies):
             raise self.error(table.key("requests"), f"expected at least the highest concurrency, "
                                                     f"{max(spec.concurrencies)}, got {spec.requests}: the level "

@@ -18,6 +18,7 @@ from pytest_fp8gate import rules
 from pytest_fp8gate.demo.embedded import embedded_assets
 from pytest_fp8gate.errors import CacheEntryError, ConfigError
 from pytest_fp8gate.rules import LoadLevel, throughput_under_load
+from pytest_fp8gate.spec import CPU_MIN_THROUGHPUT_FRACTION
 from pytest_fp8gate.thresholds import load_config
 
 # torch, transformers and vllm.envs (which the loader reads for env names) imported above, in this process:
@@ -112,6 +113,21 @@ def test_load_is_refused_at_config_load_for_an_in_process_model(tmp_path: Path):
     spec = load_config(_write(tmp_path, "http://127.0.0.1:1", "http://127.0.0.1:2",
                               LOAD.replace("requests = 8\n", ""))).load
     assert spec is not None and [spec.requests_at(c) for c in (1, 4, 8, 64)] == [16, 16, 32, 256]
+
+
+def test_the_default_fraction_follows_the_device_whose_null_set_it(tmp_path: Path):
+    """The H200's load null stayed within 1.1% of 1, a shared 2-core CPU's reached 0.60: each device
+    gets a default below its own null, and a value in the file wins on either."""
+    unset = LOAD.replace("min_throughput_fraction = 0.6\n", "")
+    cpu = load_config(_write(tmp_path, "http://127.0.0.1:1", "http://127.0.0.1:2", unset)).load
+    path = _write(tmp_path, "http://127.0.0.1:1", "http://127.0.0.1:2", unset)
+    path.write_text(path.read_text().replace('device = "cpu"\n', ""))
+    gpu = load_config(path).load
+    assert cpu is not None and gpu is not None
+    assert (cpu.min_throughput_fraction, gpu.min_throughput_fraction) == (CPU_MIN_THROUGHPUT_FRACTION, 0.9)
+    path.write_text(path.read_text() + "min_throughput_fraction = 0.7\n")
+    given = load_config(path).load
+    assert given is not None and given.min_throughput_fraction == 0.7
 
 
 # ---- through the whole gate --------------------------------------------------------

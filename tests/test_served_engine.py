@@ -24,7 +24,7 @@ import pytest
 
 from pytest_fp8gate.demo import planting
 from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.spec import LoadSpec
+from pytest_fp8gate.spec import CPU_MIN_THROUGHPUT_FRACTION
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
@@ -188,7 +188,7 @@ def test_the_load_rule_judges_every_level_of_the_real_servers(gates: dict) -> No
             assert all(level[name] > 0 and math.isfinite(level[name]) for level in levels
                        for name in ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"))
         assert details["kv_cache_tokens"] > 0 and details["baseline_kv_cache_tokens"] > 0
-        assert verdict["limit_key"].endswith(f"load.min_throughput_fraction = {LoadSpec.min_throughput_fraction:g}")
+        assert verdict["limit_key"].endswith(f"load.min_throughput_fraction = {CPU_MIN_THROUGHPUT_FRACTION:g}")
         assert any(note.startswith("c=2, 4 requests: output tok/s baseline") for note in verdict["notes"])
 
 
