@@ -427,7 +427,7 @@ model = "{assets.model}"
 dtype = "bfloat16"
 max_model_len = 2048
 enforce_eager = {str(args.device == "cpu").lower()}
-gpu_memory_utilization = {args.gpu_memory_utilization if args.device == "cuda" else 0.3}
+{f"gpu_memory_utilization = {args.gpu_memory_utilization}" if args.device == "cuda" else "kv_cache_memory_bytes = 1073741824"}
 [probabilities]
 corpus = "{assets.corpus}"
 chunks = 2

@@ -23,7 +23,7 @@ from pytest_fp8gate.rules import LoadLevel, throughput_fractions
 from pytest_fp8gate.server_process import ManagedServer
 from pytest_fp8gate.spec import LoadSpec
 
-CPU_FLAGS = "--dtype bfloat16 --max-model-len 2048 --enforce-eager --gpu-memory-utilization 0.3"
+CPU_FLAGS = "--dtype bfloat16 --max-model-len 2048 --enforce-eager --kv-cache-memory-bytes 1073741824"
 
 
 def null_rounds(argv: Sequence[str], served_name: str, spec: LoadSpec, rounds: int, vocab_size: int,

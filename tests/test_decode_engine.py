@@ -18,7 +18,7 @@ from pytest_fp8gate.spec import DecodeSpec, ModelSpec
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
 
-ENGINE = {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True, "gpu_memory_utilization": 0.3}
+ENGINE = {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True, "kv_cache_memory_bytes": 1 << 30}
 SPEC = DecodeSpec(prompts=2, prompt_tokens=1980, new_tokens=60)  # to the end of the 2,048-token context
 
 

@@ -30,8 +30,8 @@ pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
 
 QUESTIONS = 20
-FLAGS = "--dtype bfloat16 --max-model-len 2048 --enforce-eager --gpu-memory-utilization 0.3"
-ENGINE = 'dtype = "bfloat16"\nmax_model_len = 2048\nenforce_eager = true\ngpu_memory_utilization = 0.3'
+FLAGS = "--dtype bfloat16 --max-model-len 2048 --enforce-eager --kv-cache-memory-bytes 1073741824"
+ENGINE = 'dtype = "bfloat16"\nmax_model_len = 2048\nenforce_eager = true\nkv_cache_memory_bytes = 1073741824'
 CHECKS = f"""
 [noise]
 passes = ["batch-order"]

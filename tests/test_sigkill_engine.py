@@ -38,7 +38,7 @@ model = "{model}"
 dtype = "bfloat16"
 max_model_len = 512
 enforce_eager = true
-gpu_memory_utilization = {memory}  # on CPU: the share of RAM for the KV cache
+{memory}
 [[candidates]]
 name = "fp8"
 quantization = "fp8_per_channel"
@@ -65,7 +65,7 @@ def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
 def test_sigkill_of_a_running_gate_leaves_no_engine_process(tmp_path: Path) -> None:
     assets = embedded_assets()
     (tmp_path / "thresholds.toml").write_text(THRESHOLDS.format(
-        model=assets.model.as_posix(), device=DEVICE, memory=0.1 if DEVICE == "cpu" else 0.3))
+        model=assets.model.as_posix(), device=DEVICE, memory="kv_cache_memory_bytes = 1073741824" if DEVICE == "cpu" else "gpu_memory_utilization = 0.3"))
     (tmp_path / "test_gate.py").write_text("")  # the plugin collects the rules; a module keeps rootdir here
     artifacts = tmp_path / "artifacts"
     env = checkout_env()
