@@ -416,6 +416,8 @@ def _truth_candidates(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 def _truth_config(args: argparse.Namespace, workdir: Path, fp8: Path) -> Path:
     assets = embedded_assets()
+    kv_cache = (f"gpu_memory_utilization = {args.gpu_memory_utilization}" if args.device == "cuda"
+                else "kv_cache_memory_bytes = 1073741824")
     candidates = "".join(f'\n[[candidates]]\nname = "{name}"\n{table.format(fp8=fp8)}\n'
                          for name, table in _truth_candidates(args))
     (workdir / "thresholds.toml").write_text(f"""device = "{args.device}"
@@ -427,7 +429,7 @@ model = "{assets.model}"
 dtype = "bfloat16"
 max_model_len = 2048
 enforce_eager = {str(args.device == "cpu").lower()}
-{f"gpu_memory_utilization = {args.gpu_memory_utilization}" if args.device == "cuda" else "kv_cache_memory_bytes = 1073741824"}
+{kv_cache}
 [probabilities]
 corpus = "{assets.corpus}"
 chunks = 2

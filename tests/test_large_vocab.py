@@ -37,7 +37,8 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> dict:
         f'[probabilities]\ncorpus = "{embedded_assets().corpus}"\nchunks = 2\nchunk_tokens = 1024\ntop_k = 20',
         "[probabilities.limits]\nmin_same_top = 0.97674\nmax_rms_dp = 0.01198\nmax_mean_kl = 0.001355\n"
         "max_ppl_ratio = 1.000425", model=str(model), head='device = "cpu"\ndeterministic_scheduling = true',
-        baseline_engine='dtype = "bfloat16"\nmax_model_len = 1100\nenforce_eager = true\nkv_cache_memory_bytes = 1073741824'),
+        baseline_engine='dtype = "bfloat16"\nmax_model_len = 1100\nenforce_eager = true\n'
+                        'kv_cache_memory_bytes = 1073741824'),
         encoding="utf-8")
     report = workdir / "report.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")

@@ -29,6 +29,7 @@ START_TIMEOUT_S = 420  # a loaded 2-core machine
 DEVICE = os.environ.get("FP8GATE_SIGKILL_DEVICE", "cpu")
 AFTER_KILL_S = 20  # the issue's bound
 
+KV_CACHE = {"cpu": "kv_cache_memory_bytes = 1073741824", "cuda": "gpu_memory_utilization = 0.3"}
 THRESHOLDS = """
 device = "{device}"
 [baseline]
@@ -65,7 +66,7 @@ def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
 def test_sigkill_of_a_running_gate_leaves_no_engine_process(tmp_path: Path) -> None:
     assets = embedded_assets()
     (tmp_path / "thresholds.toml").write_text(THRESHOLDS.format(
-        model=assets.model.as_posix(), device=DEVICE, memory="kv_cache_memory_bytes = 1073741824" if DEVICE == "cpu" else "gpu_memory_utilization = 0.3"))
+        model=assets.model.as_posix(), device=DEVICE, memory=KV_CACHE[DEVICE]))
     (tmp_path / "test_gate.py").write_text("")  # the plugin collects the rules; a module keeps rootdir here
     artifacts = tmp_path / "artifacts"
     env = checkout_env()
