@@ -229,7 +229,7 @@ def test_the_served_demo_serves_each_demo_model_with_its_engine_settings(tmp_pat
         assert mine.served is not None and mine.served.managed
         assert (mine.name, mine.model, mine.quantization) == (theirs.name, theirs.model, theirs.quantization)
         assert {"max_model_len": 2048, "dtype": "bfloat16"}.items() <= mine.engine.items()
-        assert "--enforce-eager" in mine.served.command and "--gpu-memory-utilization" in mine.served.command
+        assert "--enforce-eager" in mine.served.command and "--kv-cache-memory-bytes" in mine.served.command
 
 
 def test_latency_and_load_come_from_streamed_tokens():

@@ -86,14 +86,21 @@ def test_an_engine_whose_workers_cannot_be_read_says_so():
 # for the rest of the process.
 PROBE = """
 import json, os, sys
+from dataclasses import replace
+from pathlib import Path
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from pytest_fp8gate.thresholds import load_config
 from pytest_fp8gate.demo.run import DEMO_CONFIG
 from pytest_fp8gate.engine import Engine
+from pytest_fp8gate.fp8_writer import write_fp8_checkpoint
 
 if __name__ == "__main__":
     config = load_config(DEMO_CONFIG)
-    for spec in (config.baseline, config.candidates[0]):
+    # The project's own compressed-tensors FP8-dynamic checkpoint, loaded by the real engine.
+    checkpoint = Path(sys.argv[1]) / "fp8-dynamic"
+    write_fp8_checkpoint(Path(config.baseline.model), checkpoint, "fp8-dynamic")
+    written = replace(config.baseline, name="fp8-dynamic", model=str(checkpoint))
+    for spec in (config.baseline, config.candidates[0], written):
         engine = Engine(spec, max_logprobs=20)
         print("STACK", json.dumps({"name": spec.name, **engine.facts()["stack"]}), flush=True)
         engine.shutdown()
@@ -110,12 +117,15 @@ def test_the_fingerprint_of_real_vllm_cpu_engines(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     env = checkout_env()
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, env=env)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=900,
+                          env=env)
     found = {row["name"]: row for row in (json.loads(line.removeprefix("STACK "))
                                           for line in done.stdout.splitlines() if line.startswith("STACK "))}
-    assert set(found) == {"bf16", "fp8-per-channel"}, done.stderr[-3000:]
+    assert set(found) == {"bf16", "fp8-per-channel", "fp8-dynamic"}, done.stderr[-3000:]
     for row in found.values():
         assert "ModelRunner" in row["model_runner"] and row["attention_backends"] and "workers_unread" not in row
     assert all(layer.startswith("UnquantizedLinearMethod") for layer in found["bf16"]["linear_layers"])
-    assert not any(layer.startswith("UnquantizedLinearMethod") for layer in found["fp8-per-channel"]["linear_layers"])
+    for fp8 in ("fp8-per-channel", "fp8-dynamic"):
+        layers = found[fp8]["linear_layers"]
+        assert not any(layer.startswith("UnquantizedLinearMethod") for layer in layers), fp8
     print(json.dumps(found, indent=1))  # the figures quoted in the report
