@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.demo.run import cpu_kv_cache_bytes
 from pytest_fp8gate.fp8_writer import MARKER as QUANTIZED_MARKER
 from pytest_fp8gate.fp8_writer import write_fp8_checkpoint
 from pytest_fp8gate.roofline import estimate_from_path
@@ -417,7 +418,7 @@ def _truth_candidates(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 def _truth_config(args: argparse.Namespace, workdir: Path, fp8: Path) -> Path:
     assets = embedded_assets()
     kv_cache = (f"gpu_memory_utilization = {args.gpu_memory_utilization}" if args.device == "cuda"
-                else "kv_cache_memory_bytes = 1073741824")
+                else f"kv_cache_memory_bytes = {cpu_kv_cache_bytes()}")
     candidates = "".join(f'\n[[candidates]]\nname = "{name}"\n{table.format(fp8=fp8)}\n'
                          for name, table in _truth_candidates(args))
     (workdir / "thresholds.toml").write_text(f"""device = "{args.device}"

@@ -18,12 +18,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pytest_fp8gate import corpus, load
+from pytest_fp8gate.demo.run import cpu_kv_cache_bytes
 from pytest_fp8gate.http_client import EndpointClient
 from pytest_fp8gate.rules import LoadLevel, throughput_fractions
 from pytest_fp8gate.server_process import ManagedServer
 from pytest_fp8gate.spec import LoadSpec
 
-CPU_FLAGS = "--dtype bfloat16 --max-model-len 2048 --enforce-eager --kv-cache-memory-bytes 1073741824"
+CPU_FLAGS = f"--dtype bfloat16 --max-model-len 2048 --enforce-eager --kv-cache-memory-bytes {cpu_kv_cache_bytes()}"
 
 
 def null_rounds(argv: Sequence[str], served_name: str, spec: LoadSpec, rounds: int, vocab_size: int,

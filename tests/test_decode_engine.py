@@ -12,13 +12,15 @@ import pytest
 from pytest_fp8gate import decode_passes
 from pytest_fp8gate.decode_phase import compare_decode
 from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.demo.run import cpu_kv_cache_bytes
 from pytest_fp8gate.engine import ALL_AT_ONCE, IN_PROCESS_ENV, Engine
 from pytest_fp8gate.spec import DecodeSpec, ModelSpec
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
 
-ENGINE = {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True, "kv_cache_memory_bytes": 1 << 30}
+ENGINE = {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True,
+          "kv_cache_memory_bytes": cpu_kv_cache_bytes()}
 SPEC = DecodeSpec(prompts=2, prompt_tokens=1980, new_tokens=60)  # to the end of the 2,048-token context
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from fakes import thresholds_text
 from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.demo.run import cpu_kv_cache_bytes
 from pytest_fp8gate.logprobs import TOPK_KL
 
 pytestmark = pytest.mark.engine
@@ -38,7 +39,7 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "[probabilities.limits]\nmin_same_top = 0.97674\nmax_rms_dp = 0.01198\nmax_mean_kl = 0.001355\n"
         "max_ppl_ratio = 1.000425", model=str(model), head='device = "cpu"\ndeterministic_scheduling = true',
         baseline_engine='dtype = "bfloat16"\nmax_model_len = 1100\nenforce_eager = true\n'
-                        'kv_cache_memory_bytes = 1073741824'),
+                        f'kv_cache_memory_bytes = {cpu_kv_cache_bytes()}'),
         encoding="utf-8")
     report = workdir / "report.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")

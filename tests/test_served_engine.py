@@ -24,14 +24,16 @@ import pytest
 
 from pytest_fp8gate.demo import planting
 from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.demo.run import cpu_kv_cache_bytes
 from pytest_fp8gate.spec import CPU_MIN_THROUGHPUT_FRACTION
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
 
 QUESTIONS = 20
-FLAGS = "--dtype bfloat16 --max-model-len 2048 --enforce-eager --kv-cache-memory-bytes 1073741824"
-ENGINE = 'dtype = "bfloat16"\nmax_model_len = 2048\nenforce_eager = true\nkv_cache_memory_bytes = 1073741824'
+FLAGS = f"--dtype bfloat16 --max-model-len 2048 --enforce-eager --kv-cache-memory-bytes {cpu_kv_cache_bytes()}"
+ENGINE = ('dtype = "bfloat16"\nmax_model_len = 2048\nenforce_eager = true\n'
+          f"kv_cache_memory_bytes = {cpu_kv_cache_bytes()}")
 CHECKS = f"""
 [noise]
 passes = ["batch-order"]

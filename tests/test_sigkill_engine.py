@@ -18,6 +18,7 @@ import pytest
 from fakes import checkout_env
 from pytest_fp8gate import lifecycle
 from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.demo.run import cpu_kv_cache_bytes
 from pytest_fp8gate.engine import IN_PROCESS_ENV
 
 pytestmark = pytest.mark.engine
@@ -29,7 +30,7 @@ START_TIMEOUT_S = 420  # a loaded 2-core machine
 DEVICE = os.environ.get("FP8GATE_SIGKILL_DEVICE", "cpu")
 AFTER_KILL_S = 20  # the issue's bound
 
-KV_CACHE = {"cpu": "kv_cache_memory_bytes = 1073741824", "cuda": "gpu_memory_utilization = 0.3"}
+KV_CACHE = {"cpu": f"kv_cache_memory_bytes = {cpu_kv_cache_bytes()}", "cuda": "gpu_memory_utilization = 0.3"}
 THRESHOLDS = """
 device = "{device}"
 [baseline]

@@ -54,6 +54,12 @@ def demo_config(plants: dict[str, Path], builds: dict[str, Path] | None = None, 
     return config
 
 
+def cpu_kv_cache_bytes() -> int:
+    """The KV-cache size the demo's CPU engines are given (its thresholds' kv_cache_memory_bytes), for
+    the tests and benchmarks that start engines of the embedded model alike."""
+    return int(demo_config({})["baseline"]["engine"]["kv_cache_memory_bytes"])
+
+
 def demo_config_text(plants: dict[str, Path], builds: dict[str, Path] | None = None, cuda: bool = False,
                      questions: int | None = None) -> str:
     """``demo_config`` as a TOML file's text."""
