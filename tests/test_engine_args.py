@@ -115,7 +115,8 @@ VLLM_USE_V2_MODEL_RUNNER = "0"
     # The demo's keys: all checked by the gate itself, fields of every supported release.
     ('[baseline.engine]\ndtype = "bfloat16"\nmax_model_len = 2048\nenforce_eager = true\n'
      "gpu_memory_utilization = 0.3\n", False),
-    ("[baseline.engine]\nenable_chunked_prefill = false\n", True),
+    # Reading EngineArgs imports vLLM in the subprocess: about 12 s, so outside the quick loop.
+    pytest.param("[baseline.engine]\nenable_chunked_prefill = false\n", True, marks=pytest.mark.engine),
 ], ids=["no engine table", "the gate's own keys", "any other key"])
 def test_vllm_is_imported_only_for_a_key_the_gate_does_not_know(tmp_path, table, imports):
     """The plugin stays cheap to load: EngineArgs is read only for a key outside the gate's own checks."""

@@ -26,8 +26,8 @@ from pytest_fp8gate.thresholds import load_config
 MODEL = embedded_assets().model.as_posix()
 LOAD = """
 [load]
-concurrencies = [1, 8]
-requests = 8
+concurrencies = [1, 4]
+requests = 4
 input_len = 16
 output_len = 16
 min_throughput_fraction = 0.6
@@ -86,10 +86,10 @@ def _write(directory: Path, base_url: str, cand_url: str, load: str = LOAD) -> P
 
 
 @pytest.mark.parametrize("edit, message", [
-    (("[1, 8]", "[]"), "load.concurrencies: expected a non-empty array of positive integers"),
-    (("[1, 8]", "[1, 0]"), "load.concurrencies: expected an integer >= 1, got 0"),
-    (("[1, 8]", "[8, 8]"), "load.concurrencies: expected each concurrency at most once"),
-    (("requests = 8", "requests = 2"), "load.requests: expected at least the highest concurrency, 8, got 2"),
+    (("[1, 4]", "[]"), "load.concurrencies: expected a non-empty array of positive integers"),
+    (("[1, 4]", "[1, 0]"), "load.concurrencies: expected an integer >= 1, got 0"),
+    (("[1, 4]", "[4, 4]"), "load.concurrencies: expected each concurrency at most once"),
+    (("requests = 4", "requests = 2"), "load.requests: expected at least the highest concurrency, 4, got 2"),
     (("output_len = 16", "output_len = 1"), "load.output_len: expected an integer >= 2, got 1"),
     (("min_throughput_fraction = 0.6", "min_throughput_fraction = 0"),
      "load.min_throughput_fraction: expected a number > 0, got 0"),
@@ -111,7 +111,7 @@ def test_load_is_refused_at_config_load_for_an_in_process_model(tmp_path: Path):
                                           r"runs in-process \(vllm.LLM\); expected serve or endpoint"):
         load_config(path)
     spec = load_config(_write(tmp_path, "http://127.0.0.1:1", "http://127.0.0.1:2",
-                              LOAD.replace("requests = 8\n", ""))).load
+                              LOAD.replace("requests = 4\n", ""))).load
     assert spec is not None and [spec.requests_at(c) for c in (1, 4, 8, 64)] == [16, 16, 32, 256]
 
 
@@ -149,27 +149,27 @@ def _gate(pytester: pytest.Pytester, base: Knobs, cand: Knobs, load: str = LOAD)
 
 def test_a_candidate_as_fast_as_its_baseline_passes_with_every_level_side_by_side(pytester: pytest.Pytester):
     # Two equal fakes measure a fraction near 1, but on a loaded 2-core machine one level came out at 0.42
-    # (the fakes share the gate's process): judged at 0.3 here, still above a serialized build's 1/8.
+    # (the fakes share the gate's process): judged at 0.3 here, still above a serialized build's 1/4.
     loose = LOAD.replace("min_throughput_fraction = 0.6", "min_throughput_fraction = 0.3")
     result, verdict = _gate(pytester, Knobs(), Knobs(kv_blocks=128), loose)
     result.assert_outcomes(passed=1)
     result.stdout.re_match_lines([r"^load +fp8 +- +[\d.]+ +0.3 +\+[\d.]+ +pass$"])  # the summary's line
     assert verdict["rule"] == "load" and verdict["limit_key"].endswith("load.min_throughput_fraction = 0.3")
     levels, base = verdict["details"]["levels"], verdict["details"]["baseline_levels"]
-    assert [level["concurrency"] for level in levels] == [1, 8] == [level["concurrency"] for level in base]
+    assert [level["concurrency"] for level in levels] == [1, 4] == [level["concurrency"] for level in base]
     assert all(math.isfinite(level[k]) for level in levels + base for k in ("output_tok_s", "ttft_p99_s", "tpot_p99_s"))
     assert (verdict["details"]["kv_cache_tokens"], verdict["details"]["baseline_kv_cache_tokens"]) == (2048, 1024)
-    assert levels[1]["output_tok_s"] > 2 * levels[0]["output_tok_s"]  # eight in flight beat one
+    assert levels[1]["output_tok_s"] > 2 * levels[0]["output_tok_s"]  # four in flight beat one
 
 
 def test_a_candidate_that_does_not_batch_fails_at_the_level_it_cannot_carry(pytester: pytest.Pytester):
     result, verdict = _gate(pytester, Knobs(), Knobs(serialized=True))
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*load FAILED for candidate fp8*", "*c=8 fraction of baseline*",
-                                 "*failed at concurrency 8 by load.min_throughput_fraction*",
-                                 "*c=8, 8 requests: output tok/s baseline*"])
-    fractions = {level: dict(verdict["rows"])[f"c={level} fraction of baseline"] for level in (1, 8)}
-    assert fractions[8] < 0.5 < 0.7 < fractions[1]  # alike one at a time, far behind at eight in flight
+    result.stdout.fnmatch_lines(["*load FAILED for candidate fp8*", "*c=4 fraction of baseline*",
+                                 "*failed at concurrency 4 by load.min_throughput_fraction*",
+                                 "*c=4, 4 requests: output tok/s baseline*"])
+    fractions = {level: dict(verdict["rows"])[f"c={level} fraction of baseline"] for level in (1, 4)}
+    assert fractions[4] < 0.5 < 0.7 < fractions[1]  # alike one at a time, far behind at four in flight
 
 
 def test_a_first_token_slower_than_the_slo_fails_the_rule_by_its_setting(pytester: pytest.Pytester):
@@ -195,7 +195,7 @@ def test_a_cached_baseline_brings_its_levels_and_one_without_them_is_measured(py
     assert restored["details"]["baseline_levels"] == measured["details"]["baseline_levels"]
     stored = json.loads(next(cache.glob("bf16-*/record.json")).read_text())
     key = json.loads(next(cache.glob("bf16-*/key.json")).read_text())
-    assert [level["concurrency"] for level in stored["load"]] == [1, 8] and key["load"]["requests"] == [8, 8]
+    assert [level["concurrency"] for level in stored["load"]] == [1, 4] and key["load"]["requests"] == [4, 4]
     with pytest.raises(CacheEntryError, match="has no load levels, which \\[load\\] needs"):
         _restore({**stored, "load": None}, tmp_path, load_config(pytester.path / "thresholds.toml").baseline,
                  cache, key)

