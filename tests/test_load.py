@@ -33,8 +33,8 @@ output_len = 16
 min_throughput_fraction = 0.6
 """
 # Tokens far apart, so that the fake's own time per request (HTTP, JSON, sharing the GIL with the gate in
-# pytester's process, a busy machine) is small against it: 16 tokens take 0.32 s a request.
-TOKEN_S = 0.02
+# pytester's process, a busy machine) is small against it: 16 tokens take 0.16 s a request.
+TOKEN_S = 0.01
 
 
 def _level(c: int, tok_s: float, ttft: float = 0.01, tpot: float = 0.005) -> LoadLevel:

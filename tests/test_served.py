@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import lm_eval.evaluator  # noqa: F401
 import numpy as np
 import psutil
 import pytest
@@ -25,8 +26,9 @@ from pytest_fp8gate.errors import ConfigError, EndpointError
 from pytest_fp8gate.http_client import EndpointClient, redact_url
 from pytest_fp8gate.thresholds import load_config
 
-# torch and transformers imported above, in this process: pytester's in-process runs unload what
-# they import, and torch cannot be imported a second time (see test_selection.py).
+# torch, transformers and lm-eval imported above, in this process: pytester's in-process runs unload what
+# they import, torch cannot be imported a second time (see test_selection.py), and an lm-eval imported
+# anew breaks the gate's adapter class for the test files after this one (not an lm_eval.api.model.LM).
 MODEL = embedded_assets().model.as_posix()
 SERVE = f"vllm serve {MODEL} --dtype bfloat16 --max-model-len 2048"
 GATE = """device = "cpu"
