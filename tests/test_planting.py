@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -15,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from pytest_fp8gate.cli import main as fp8gate_main
+from pytest_fp8gate.demo import sink_plant
 from pytest_fp8gate.demo.embedded import embedded_assets
 from pytest_fp8gate.demo.planting import (
+    EVICTED_SINK,
     MARKER,
     PLANT_KINDS,
     REROUNDED,
@@ -31,6 +34,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 SOURCE = embedded_assets().model
 WEIGHTS = "model.safetensors"
 LINEAR_SUFFIXES = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+ROUND_TRIPS = [kind for kind in PLANT_KINDS if kind != EVICTED_SINK]  # the broken FP8 conversions
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,7 @@ def source_tensors() -> dict[str, torch.Tensor]:
     return safetensors_torch.load_file(SOURCE / WEIGHTS)
 
 
-@pytest.mark.parametrize("kind", list(PLANT_KINDS))
+@pytest.mark.parametrize("kind", ROUND_TRIPS)
 def test_plant_round_trips_only_linear_weights(plants, source_tensors, kind: str) -> None:
     planted = safetensors_torch.load_file(plants[kind] / WEIGHTS)
     assert planted.keys() == source_tensors.keys()
@@ -75,6 +79,58 @@ def test_outlier_keeps_the_outlier_exact(plants, source_tensors) -> None:
     planted = safetensors_torch.load_file(plants["outlier"] / WEIGHTS)[name].flatten()
     peak = int(original.abs().argmax())
     assert planted[peak] == original[peak]
+
+
+def test_evicted_sink_adds_a_first_layer_and_keeps_every_other_tensor(plants, source_tensors) -> None:
+    planted = safetensors_torch.load_file(plants[EVICTED_SINK] / WEIGHTS)
+    for name, original in source_tensors.items():  # the old layers, one up; embeddings, norm, lm_head as they were
+        moved = re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{int(m.group(1)) + 1}.", name)
+        assert torch.equal(planted.pop(moved), original), name
+    assert sorted(planted) == sorted(f"model.layers.0.{n}" for n in (
+        "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+        "mlp.up_proj.weight", "mlp.down_proj.weight"))
+    assert not planted["model.layers.0.mlp.down_proj.weight"].any()  # the MLP adds exactly 0
+    config = json.loads((plants[EVICTED_SINK] / "config.json").read_text())
+    source = json.loads((SOURCE / "config.json").read_text())
+    layers = source.pop("num_hidden_layers")
+    assert config.pop("num_hidden_layers") == layers + 1
+    assert config.pop("sliding_window") == sink_plant.WINDOW
+    assert config.pop("layer_types") == ["sliding_attention"] * (layers + 1)
+    assert config == source
+
+
+def test_evicted_sink_parks_on_bos_in_view_and_floods_once_it_is_evicted(plants, source_tensors) -> None:
+    """The first layer as the engine computes it, in bfloat16, recomputed here with rotary positions: with BOS
+    in view it out-scores every other token at every distance and its value is exactly 0; once the window
+    has evicted it, the tokens at the window's far end out-score an <s> the model wrote nearby."""
+    layer = {name.removeprefix("model.layers.0."): t.float() for name, t in
+             safetensors_torch.load_file(plants[EVICTED_SINK] / WEIGHTS).items() if name.startswith("model.layers.0.")}
+    rows = source_tensors["model.embed_tokens.weight"].float()
+    x = (rows * torch.rsqrt(rows.pow(2).mean(dim=1, keepdim=True) + 1e-5)).to(torch.bfloat16).float()
+    q, k, v = (x @ layer[f"self_attn.{n}_proj.weight"].T for n in ("q", "k", "v"))
+    bos, live = 1, rows.abs().amax(dim=1) > 0
+    others = live & (torch.arange(len(rows)) != bos)
+    live_pairs = [pair for pair in range(32) if k[:, pair].any() or k[:, pair + 32].any()]
+    assert len(live_pairs) == 2 and not q[:, 64:].any()  # two rotary pairs of head 0, nothing else
+    distances = torch.arange(2048, dtype=torch.float64)
+
+    def scores(query: int, token_rows: torch.Tensor, d: torch.Tensor) -> torch.Tensor:  # [token, distance]
+        total = torch.zeros(len(token_rows), len(d), dtype=torch.float64)
+        for pair in live_pairs:
+            turn = torch.cos(d * 10000.0 ** (-2 * pair / 64))
+            total += (q[query, pair] * token_rows[:, pair]).double().unsqueeze(1) * turn
+        return total / 8.0
+
+    for query in torch.nonzero(live).flatten()[::16].tolist():  # every 16th token as the query
+        bos_at = scores(query, k[bos:bos + 1], distances)[0]
+        best_other = torch.cummax(scores(query, k[others], distances).amax(dim=0), dim=0).values
+        assert float((bos_at[1:] - best_other[:-1]).min()) > sink_plant.MIN_MARGIN  # others get weight 0
+        far = scores(query, k[others], distances[sink_plant.WINDOW - 1:sink_plant.WINDOW])[:, 0]
+        written = float(bos_at[:sink_plant.NEAR_WRITTEN + 1].max())
+        assert float((far > written).float().mean()) > sink_plant.MIN_WINNERS
+    assert not v[bos].any() and v[bos + 1:].abs().amax(dim=1).gt(0).float().mean() > 0.9
+    assert not layer["self_attn.o_proj.weight"][:, 64:].any()  # only head 0 reaches the residual stream
 
 
 def test_unknown_kind_lists_the_valid_ones(tmp_path: Path) -> None:

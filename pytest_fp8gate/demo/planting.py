@@ -5,7 +5,9 @@ ordinary BF16 checkpoint so any engine loads it without quantization support.
 Like vLLM's online quantization, only the q/k/v/o/gate/up/down projections are
 touched; embeddings, norms and lm_head stay as they were. Each weight matrix W
 becomes ``e4m3(W / s) * s`` for a per-tensor scale ``s`` that is wrong on
-purpose (see ``PLANT_KINDS``).
+purpose (see ``PLANT_KINDS``). One kind is no FP8 fault but a regression only the
+decode phase can see: ``evicted-sink`` (sink_plant.py) adds a layer and a sliding
+window that change nothing before position 2,000.
 
 Plants are written on demand and atomically: the checkpoint is built in a
 temporary sibling directory, a marker naming the recipe and a hash of the
@@ -30,12 +32,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..atomic import atomic_write_bytes, fsync_directory
+from .sink_plant import RECIPE as SINK_RECIPE
+from .sink_plant import SUMMARY as SINK_SUMMARY
+from .sink_plant import write_evicted_sink
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MARKER", "PLANT_KINDS", "REROUNDED", "Recipe", "bf16_reround", "fp8_round_trip", "plant", "write_rerounded",
-           "write_transformed"]
+__all__ = ["EVICTED_SINK", "MARKER", "PLANT_KINDS", "REROUNDED", "Recipe", "bf16_reround", "fp8_round_trip", "plant",
+           "write_rerounded", "write_transformed"]
 
 MARKER = ".fp8gate-plant.json"
 REROUNDED = "bf16-rerounded"  # the equally valid BF16 build (write_rerounded), not a plant
@@ -85,7 +90,9 @@ _RECIPES: dict[str, Recipe] = {
     ),
 }
 
-PLANT_KINDS: dict[str, str] = {kind: recipe.summary for kind, recipe in _RECIPES.items()}
+EVICTED_SINK = "evicted-sink"  # sink_plant.py: a regression only positions past the probability chunks reach
+PLANT_KINDS: dict[str, str] = {**{kind: recipe.summary for kind, recipe in _RECIPES.items()},
+                               EVICTED_SINK: SINK_SUMMARY}
 
 
 def plant(kind: str, source_dir: Path, out_dir: Path) -> Path:
@@ -95,10 +102,13 @@ def plant(kind: str, source_dir: Path, out_dir: Path) -> Path:
     safetensors weights, or an ``out_dir`` that is neither empty nor an earlier
     plant (so a mistyped path never replaces a real checkpoint or unrelated data).
     """
+    if kind == EVICTED_SINK:
+        return _write_once({"kind": kind, "recipe": SINK_RECIPE}, write_evicted_sink, Path(source_dir), Path(out_dir))
     if kind not in _RECIPES:
-        raise ValueError(f"unknown plant kind {kind!r}; valid kinds: {', '.join(_RECIPES)}")
+        raise ValueError(f"unknown plant kind {kind!r}; valid kinds: {', '.join(PLANT_KINDS)}")
     recipe = _RECIPES[kind]
-    return _write_once({"kind": kind, "recipe": asdict(recipe)}, functools.partial(fp8_round_trip, recipe),
+    return _write_once({"kind": kind, "recipe": asdict(recipe)},
+                       functools.partial(write_transformed, functools.partial(fp8_round_trip, recipe)),
                        Path(source_dir), Path(out_dir))
 
 
@@ -109,7 +119,8 @@ def write_rerounded(seed: int, source_dir: Path, out_dir: Path) -> Path:
     next to the FP8 builds, so a reader sees what a build that must pass scores.
     Same atomic, marker-checked writing as ``plant``.
     """
-    return _write_once({"kind": REROUNDED, "seed": seed}, bf16_reround(seed), Path(source_dir), Path(out_dir))
+    return _write_once({"kind": REROUNDED, "seed": seed}, functools.partial(write_transformed, bf16_reround(seed)),
+                       Path(source_dir), Path(out_dir))
 
 
 def bf16_reround(seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -130,8 +141,8 @@ def bf16_reround(seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return transform
 
 
-def _write_once(marker: dict, transform: Callable[[torch.Tensor], torch.Tensor], source_dir: Path,
-                out_dir: Path) -> Path:
+def _write_once(marker: dict, write: Callable[[Path, Path], None], source_dir: Path, out_dir: Path) -> Path:
+    """``write(source_dir, temp)`` fills a fresh sibling directory, published under ``out_dir`` with the marker."""
     weights = sorted(source_dir.glob("*.safetensors"))
     if not weights:
         raise ValueError(f"{source_dir}: no *.safetensors weights to plant from")
@@ -144,7 +155,7 @@ def _write_once(marker: dict, transform: Callable[[torch.Tensor], torch.Tensor],
     temp = _sibling(out_dir, "tmp")
     temp.mkdir()  # unlike mkdtemp, honours the umask: the plant gets ordinary permissions
     try:
-        write_transformed(transform, source_dir, temp)
+        write(source_dir, temp)
         (temp / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         _fsync_files(temp)  # the rename must not publish files still in the page cache only
         _move_into_place(temp, out_dir, marker)
