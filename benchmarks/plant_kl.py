@@ -35,6 +35,7 @@ from pytest_fp8gate.thresholds import load_config
 
 CHUNK_TOKENS = 1024
 STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+STOPS = ["Question:", "</s>"]  # the task's until: the next question, or the end of the document
 
 
 def _load_jsonl(path: Path) -> list[dict[str, str]]:
@@ -57,14 +58,15 @@ def _normalize(answer: str) -> str:
 
 
 def strict_answers(engine: Engine, prompts: list[str], layout: BatchLayout = ALL_AT_ONCE) -> list[str | None]:
-    stops = ["Question:", "</s>"]
     generations = engine.generate_greedy([engine.encode(p, add_bos=True) for p in prompts],
-                                         [128] * len(prompts), [stops] * len(prompts), layout)
-    answers = []
-    for generation in generations:
-        match = STRICT.search(generation.text)
-        answers.append(_normalize(match.group(1)) if match else None)
-    return answers
+                                         [128] * len(prompts), [STOPS] * len(prompts), layout)
+    return [strict_answer(generation.text) for generation in generations]
+
+
+def strict_answer(text: str) -> str | None:
+    """The answer the task's strict-match filter reads from a generation, normalized; None if none."""
+    match = STRICT.search(text)
+    return _normalize(match.group(1)) if match else None
 
 
 def measure(spec: ModelSpec, probabilities: ProbabilitySpec, prompts: list[str]) -> dict[str, Any]:

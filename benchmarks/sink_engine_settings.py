@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from plant_kl import STRICT, _normalize, task_prompts
+from plant_kl import STOPS, strict_answer, task_prompts
 
 SETTINGS: dict[str, dict[str, object]] = {
     "default": {},
@@ -37,11 +37,10 @@ def answer(model: str, setting: str, questions: int) -> dict[str, object]:
               **SETTINGS[setting])
     tokenizer = llm.get_tokenizer()
     ids = [[tokenizer.bos_token_id, *tokenizer.encode(p, add_special_tokens=False)] for p in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=256, stop=["Question:", "</s>"])
+    params = SamplingParams(temperature=0.0, max_tokens=256, stop=STOPS)
     outputs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
     texts = [o.outputs[0].text for o in outputs]
-    found = [STRICT.search(t) for t in texts]
-    answers = [_normalize(m.group(1)) if m else None for m in found]
+    answers = [strict_answer(text) for text in texts]
     return {"model": model, "setting": setting, "seconds": round(time.perf_counter() - started, 1),
             "accuracy": sum(a == g for a, g in zip(answers, golds)) / len(golds), "texts": texts}
 
