@@ -154,6 +154,10 @@ class Engine:
         """The longest prompt plus generation the engine accepts, in tokens."""
         return int(self.llm.llm_engine.model_config.max_model_len)
 
+    def startup_log(self) -> list[str]:
+        """vLLM's lines of this engine's start logged outside this process (an in-process core logs here)."""
+        return []
+
     def facts(self) -> dict[str, Any]:
         """What vLLM made of the settings it was given, and what it selected to serve them
         (the stack fingerprint; read before ``shutdown``). Read once: measuring asks while the engine

@@ -42,6 +42,7 @@ class ReportData:
     provenance: dict[str, Any]  # environment, inputs, lm_eval_seeds, models, engine_runs
     unjudged: list[tuple[Case, str]] = field(default_factory=list)  # rule cases without a verdict, and why
     comparisons: Comparisons | None = None  # the verdicts' own; None: compared here, once, from the record
+    time: dict[str, Any] | None = None  # timing.TimeLedger.as_dict(): where the session's wall time went
 
     def __post_init__(self) -> None:
         if self.comparisons is None and self.baseline is not None:
@@ -269,6 +270,18 @@ def _quote(text: str, limit: int = 80) -> str:
     return "“" + (flat if len(flat) <= limit else flat[:limit - 1] + "…") + "”"
 
 
+def _time_lines(time: dict[str, Any] | None) -> list[str]:
+    if not time or time["wall_s"] <= 0:
+        return []
+    wall = time["wall_s"]
+    rows = [[row["owner"], row["part"] + "".join(f"; {name} {value:.1f} s" for name, value in row["within"].items()),
+             f"{row['seconds']:.1f}", f"{row['seconds'] / wall:.1%}"] for row in time["rows"]]
+    return ["## Where the time went", "",
+            f"{wall:.1f} s from the gate session's start to this report; each second in one row "
+            "(an engine start's phases are vLLM's own figures, inside its row).", "",
+            *table(("owner", "part", "seconds", "share"), rows), ""]
+
+
 def _provenance_lines(data: ReportData) -> list[str]:
     p = data.provenance
     environment = p.get("environment", {})
@@ -342,7 +355,7 @@ def render(data: ReportData, plot_dir: Path | None, stem: str = "fp8gate") -> Re
         body += ["Plots: not drawn (pass --fp8gate-report PATH to get PNGs next to the report).", ""]
     elif not plots.available():
         body += [f"Plots: not drawn: matplotlib is not installed ({plots.INSTALL_HINT}).", ""]
-    markdown = "\n".join(head + body + _provenance_lines(data))
+    markdown = "\n".join(head + body + _time_lines(data.time) + _provenance_lines(data))
     # The step summary cannot show files of the runner: name where each plot is instead.
     summary = _IMAGE.sub(lambda m: f"Plot {m[1]}: {display_path((plot_dir or Path()) / m[2])}", markdown)
     if len(summary.encode()) > SUMMARY_LIMIT:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import capabilities as capabilities_mod
-from . import checkpoint, decode_passes, gpu_bandwidths, hardware, preflight, provenance
+from . import checkpoint, decode_passes, gpu_bandwidths, hardware, preflight, provenance, timing
 from . import corpus as corpus_mod
 from . import stack as stack_mod
 from .atomic import atomic_write_text
@@ -60,6 +60,7 @@ class Measurements:
         self.baseline_cache = baseline_cache
         self.baseline_record: BaselineRecord | None = None
         self.engine_runs: list[dict[str, Any]] = []  # start time, duration and settings of each engine
+        self.time = timing.TimeLedger()  # where this session's wall time goes (issue 33)
         self._fingerprints: dict[str, dict[str, Any]] = {}
         self.run_id = uuid.uuid4().hex  # written into every artifact of this session
         self._baseline: ModelResult | None = None
@@ -143,7 +144,10 @@ class Measurements:
             from .served_engine import ServedEngine
 
             engine_class = ServedEngine
-        engine = engine_class(spec, max_logprobs=self._max_logprobs(), dtype=dtype)
+        start_part = "engine start" if label == spec.name else f"engine start ({label})"
+        with self.time.span(spec.name, start_part), timing.vllm_log_lines() as logged:
+            engine = engine_class(spec, max_logprobs=self._max_logprobs(), dtype=dtype)
+        self.time.note_within(spec.name, start_part, timing.startup_phases([*logged, *engine.startup_log()]))
         note = capabilities_mod.version_note(engine.capabilities.vllm_version)
         if note:
             self.announce(f"fp8gate: {note}")
@@ -151,8 +155,9 @@ class Measurements:
         try:
             yield engine
         finally:
-            facts = engine.facts()  # read before shutdown drops the engine
-            engine.shutdown()
+            with self.time.span(spec.name, "teardown"):
+                facts = engine.facts()  # read before shutdown drops the engine
+                engine.shutdown()
             memory["after_shutdown"] = hardware.cuda_free_memory_mib()
             self.engine_runs.append({"label": label, "name": spec.name, "started_at": started_at,
                                      "duration_s": round(time.perf_counter() - started, 3),
@@ -229,8 +234,9 @@ class Measurements:
             record = self._measure_baseline_engines()
         else:
             spec = self.config.baseline
-            record = self.baseline_cache.fetch(spec, self.baseline_key(self._all_needs()), self.artifacts / spec.name,
-                                               self._measure_baseline_engines)
+            with self.time.span(timing.GATE, "baseline cache"):  # a miss's engines charge their own spans
+                record = self.baseline_cache.fetch(spec, self.baseline_key(self._all_needs()),
+                                                   self.artifacts / spec.name, self._measure_baseline_engines)
             if self._all_needs().speed and record.cached:  # where this checkout keeps the weights
                 self._look_up_speed_inputs(record.result)
         self._baseline, self._noise, self._chunks = record.result, record.noise, record.chunks
@@ -250,7 +256,8 @@ class Measurements:
         with self._running(spec, spec.name) as engine:
             if needs.probabilities or needs.decode:
                 assert self.config.probabilities is not None
-                self._chunks = corpus_mod.chunk_corpus(engine, self.config.probabilities, self.config.path)
+                with self.time.span(timing.GATE, "tokenizing the corpus"):
+                    self._chunks = corpus_mod.chunk_corpus(engine, self.config.probabilities, self.config.path)
             self._baseline = result = self._measure_with(engine, spec, needs)
             if BATCH_ORDER_PASS in passes:
                 self._noise[BATCH_ORDER_PASS] = self._passes(engine, spec, needs, BATCH_ORDER_PASS, BATCH_ORDER)
@@ -297,12 +304,13 @@ class Measurements:
             return
         started = time.perf_counter()
         baseline = self.decode.get(self.config.baseline.name)
-        self.decode[spec.name] = decode_passes.measure_model(
-            engine, decode_passes.decode_prompts(self._chunks, self.config.decode), self.config.decode,
-            self.config.probabilities.top_k, self._full_vocab_wanted(), baseline.own if baseline else None,
-            ALL_AT_ONCE)
-        decode_passes.write_dumps(self.artifacts / spec.name / "decode", self.decode[spec.name],
-                                  {"model": spec.model, "name": spec.name, RUN_ID: self.run_id})
+        with self.time.span(spec.name, "decode"):
+            self.decode[spec.name] = decode_passes.measure_model(
+                engine, decode_passes.decode_prompts(self._chunks, self.config.decode), self.config.decode,
+                self.config.probabilities.top_k, self._full_vocab_wanted(), baseline.own if baseline else None,
+                ALL_AT_ONCE)
+            decode_passes.write_dumps(self.artifacts / spec.name / "decode", self.decode[spec.name],
+                                      {"model": spec.model, "name": spec.name, RUN_ID: self.run_id})
         self.announce(f"fp8gate: measured {spec.name} [decode]: {time.perf_counter() - started:.1f} s")
 
     def _measure_with(self, engine: Engine, spec: ModelSpec, needs: Needs) -> ModelResult:
@@ -312,7 +320,8 @@ class Measurements:
         result.served_otherwise = stack_mod.served_otherwise(stack) if stack else None
         if needs.speed and self.config.speed is not None:
             s = self.config.speed
-            result.latency = engine.latency(s.input_len, s.output_len, s.batch_size, s.warmup_iters, s.iters)
+            with self.time.span(spec.name, "speed"):
+                result.latency = engine.latency(s.input_len, s.output_len, s.batch_size, s.warmup_iters, s.iters)
             self._look_up_speed_inputs(result)
         self._write_engine_facts(spec.name, result, engine)
         return result
@@ -323,7 +332,8 @@ class Measurements:
         if not needs.load or self.config.load is None:
             return
         started = time.perf_counter()
-        result.load = engine.load_levels(self.config.load)
+        with self.time.span(result.spec.name, "load"):
+            result.load = engine.load_levels(self.config.load)
         self._write_engine_facts(result.spec.name, result, engine)  # engine.json gets the levels
         self.announce(f"fp8gate: measured {result.spec.name} [load]: " + ", ".join(
             f"c={level.concurrency} {level.output_tok_s:.1f} tok/s" for level in result.load)
@@ -349,19 +359,21 @@ class Measurements:
         if needs.probabilities and self._chunks:
             assert self.config.probabilities is not None
             started = time.perf_counter()
-            run = engine.prompt_logprobs(self._chunks, self.config.probabilities.top_k, self._full_vocab_wanted(),
-                                         layout)
-            run = self._with_base_ids(engine, run)
-            result.logprobs_path = directory / "logprobs.npz"
-            write_logprob_dump(result.logprobs_path, run, {"model": spec.model, "name": spec.name, "pass": label,
-                                                           "quantization": spec.quantization, RUN_ID: self.run_id,
-                                                           "provenance": self._pass_provenance(spec, engine)})
+            with self.time.span(spec.name, f"{label} logprobs"):
+                run = engine.prompt_logprobs(self._chunks, self.config.probabilities.top_k,
+                                             self._full_vocab_wanted(), layout)
+                run = self._with_base_ids(engine, run)
+                result.logprobs_path = directory / "logprobs.npz"
+                write_logprob_dump(result.logprobs_path, run, {
+                    "model": spec.model, "name": spec.name, "pass": label, "quantization": spec.quantization,
+                    RUN_ID: self.run_id, "provenance": self._pass_provenance(spec, engine)})
             result.logprobs = run
             timings.append(f"logprobs {time.perf_counter() - started:.1f} s")
         for task in self.config.tasks:
             if task.name in needs.tasks:
                 started = time.perf_counter()
-                result.samples[task.name] = self._run_task(engine, task, directory, layout)
+                with self.time.span(spec.name, f"{label} {task.name}"):
+                    result.samples[task.name] = self._run_task(engine, task, directory, layout)
                 timings.append(f"{task.name} {time.perf_counter() - started:.1f} s")
         self.announce(f"fp8gate: measured {spec.name} [{label}]: {', '.join(timings) or 'nothing needed'}")
         return result

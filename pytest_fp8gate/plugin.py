@@ -89,7 +89,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[options.SETTINGS_KEY] = settings
     config.stash[CONFIG_KEY] = None
     config.pluginmanager.register(_Gate(), _GATE_PLUGIN)
-    config.pluginmanager.register(report_hooks.JsonReportMetadata(), "fp8gate-json-report")
+    config.pluginmanager.register(report_hooks.JsonReportMetadata(config), "fp8gate-json-report")
     config.pluginmanager.register(report_hooks.SessionReport(), "fp8gate-report")
     # `pytest --help` must keep working while the thresholds file is broken.
     if config.getoption("help", False):
@@ -262,3 +262,5 @@ class _Gate:
             terminalreporter.write_sep("=", "fp8gate summary")
             for line in report_hooks.summary_lines(verdicts):
                 terminalreporter.write_line(line)
+        for line in report_hooks.time_lines(config):
+            terminalreporter.write_line(line)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from . import markdown_report
+from . import markdown_report, timing
 from .options import SETTINGS_KEY, display_path
 from .session import SESSION_KEY, VERDICT_KEY, VERDICTS_KEY, GateSession
 from .verdict import Case, Verdict
@@ -37,7 +37,11 @@ def junit_properties(verdict: Verdict) -> list[tuple[str, object]]:
 
 
 class JsonReportMetadata:
-    """Attaches each rule's numbers to its test's entry when pytest-json-report runs."""
+    """Attaches each rule's numbers to its test's entry, and where the run's time went to the
+    report's top level (``fp8gate.time``), when pytest-json-report runs."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
 
     @staticmethod
     @pytest.hookimpl(optionalhook=True)  # the hook exists only while --json-report is active
@@ -46,6 +50,20 @@ class JsonReportMetadata:
         if call.when != "call" or verdict is None:
             return {}
         return {"fp8gate": verdict.as_dict()}
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_json_modifyreport(self, json_report: dict[str, Any]) -> None:
+        gate_session = self.config.stash.get(SESSION_KEY, None)
+        if gate_session is not None:
+            json_report["fp8gate"] = {"time": gate_session.measurements.time.as_dict()}
+
+
+def time_lines(config: pytest.Config) -> list[str]:
+    """Where the gate session's wall time went, a line per model (none without a gate session)."""
+    gate_session = config.stash.get(SESSION_KEY, None)
+    if gate_session is None:
+        return []
+    return [f"fp8gate time: {line}" for line in timing.summary_lines(gate_session.measurements.time)]
 
 
 def report_data(session: GateSession, verdicts: list[Verdict],
@@ -62,7 +80,7 @@ def report_data(session: GateSession, verdicts: list[Verdict],
     runs = cached + measurements.engine_runs
     provenance = dict(measurements.provenance(config.baseline), models=models, engine_runs=runs)
     return markdown_report.ReportData(config, verdicts, record, candidates, provenance, unjudged,
-                                      session.gate.comparisons)
+                                      session.gate.comparisons, measurements.time.as_dict())
 
 
 class SessionReport:
@@ -85,8 +103,12 @@ class SessionReport:
             self.unjudged.append((case, f"{'skipped' if report.skipped else 'error'}: {_reason(report)}"))
         return report
 
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        config = session.config
+    @pytest.hookimpl(wrapper=True)  # around every plugin's: written before the JSON report, which holds its time
+    def pytest_sessionfinish(self, session: pytest.Session) -> Generator[None, None, None]:
+        self._write_report(session.config)
+        yield
+
+    def _write_report(self, config: pytest.Config) -> None:
         gate_session = config.stash.get(SESSION_KEY, None)
         path = config.stash[SETTINGS_KEY].report
         if hasattr(config, "workerinput") or gate_session is None:
@@ -94,8 +116,9 @@ class SessionReport:
         if path is None and not os.environ.get("GITHUB_STEP_SUMMARY"):
             return
         try:
-            data = report_data(gate_session, config.stash.get(VERDICTS_KEY, []), self.unjudged)
-            self.written = markdown_report.write(data, path)
+            with gate_session.measurements.time.span(timing.GATE, "reporting"):  # up to the table's writing
+                data = report_data(gate_session, config.stash.get(VERDICTS_KEY, []), self.unjudged)
+                self.written = markdown_report.write(data, path)
         except Exception as err:  # a report problem must not hide the verdicts or change the exit status
             self.error = f"{type(err).__name__}: {err}"
 

@@ -105,6 +105,10 @@ class ServedEngine(Engine):
             raise EndpointError(f"{self.where}: /v1/models gives no max_model_len")
         return self.probe.max_model_len
 
+    def startup_log(self) -> list[str]:
+        """A managed server's log (its start-up lines); an endpoint's start is not the gate's to see."""
+        return self.server.log_text().splitlines() if self.server is not None else []
+
     def facts(self) -> dict[str, Any]:
         return {"served_model_name": self.served.served_model_name, "endpoint": self.client.shown,
                 "server_version": self.probe.version, "max_model_len": str(self.probe.max_model_len),

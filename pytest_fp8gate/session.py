@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from . import lifecycle
+from . import lifecycle, timing
 from .engine import Engine
 from .errors import Fp8GateError
 from .gate import Gate
@@ -54,7 +54,9 @@ class GateSession:
         config.stash[SESSION_KEY] = self
 
     def evaluate(self, case: Case) -> Verdict:
-        return self.gate.evaluate(case)
+        # Judging charges comparing; the measuring a rule starts charges its own spans.
+        with self.measurements.time.span(timing.GATE, "judging"):
+            return self.gate.evaluate(case)
 
     def enforce(self, case: Case, item: pytest.Item) -> None:
         """Evaluate a rule case; record it; fail the test with its explanation."""

