@@ -13,6 +13,12 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 UNKNOWN_VOCAB = 1 << 30  # a model whose config is not at hand is treated as large
+# Characters tokenized first for each token the chunks need (English runs about 4 a token); doubled
+# until the prefix holds enough.
+CHARS_PER_TOKEN = 8
+# Tokens dropped at a prefix's end: only those can differ from the whole text's tokens (the cut
+# may split a word or a run of white space, which the whole text tokenizes otherwise).
+CUT_MARGIN = 64
 
 
 def load_text(corpus: DatasetCorpus | FileCorpus) -> str:
@@ -31,10 +37,10 @@ def chunk_corpus(engine: "Engine", spec: ProbabilitySpec, config_path: Path) -> 
     Every chunk is scored on its own, so each gets the BOS a fresh prompt has.
     Fewer chunks are used when the text is shorter; none at all is an error.
     """
-    ids = engine.encode(load_text(spec.corpus), add_bos=False)
     bos = engine.tokenizer.bos_token_id
     prefix = [] if bos is None else [bos]
     body = spec.chunk_tokens - len(prefix)
+    ids = leading_tokens(engine, load_text(spec.corpus), spec.chunks * body)
     count = min(spec.chunks, len(ids) // body)
     if count == 0:
         raise CorpusError(
@@ -42,6 +48,19 @@ def chunk_corpus(engine: "Engine", spec: ProbabilitySpec, config_path: Path) -> 
             f"{spec.chunk_tokens} (probabilities.chunk_tokens)"
         )
     return [prefix + ids[i * body:(i + 1) * body] for i in range(count)]
+
+
+def leading_tokens(engine: "Engine", text: str, needed: int) -> list[int]:
+    """The whole text's first ``needed`` tokens (all of them if it has fewer), from a prefix of it:
+    a corpus of millions of tokens is not tokenized for the thousands the chunks use."""
+    length = needed * CHARS_PER_TOKEN
+    while length < len(text):
+        cut = text.rfind("\n", 0, length) + 1 or length  # after a line's end, where the prefix has one
+        ids = engine.encode(text[:cut], add_bos=False)
+        if len(ids) - CUT_MARGIN >= needed:
+            return ids[:needed]
+        length *= 2
+    return engine.encode(text, add_bos=False)[:needed]
 
 
 def vocab_size_hint(model: str) -> int:

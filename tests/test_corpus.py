@@ -1,0 +1,47 @@
+"""The probability check's chunks: tokenizing only the prefix the chunks use gives the very tokens
+that tokenizing the whole text gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pytest_fp8gate import corpus
+from pytest_fp8gate.engine import Engine
+from pytest_fp8gate.spec import FileCorpus, ProbabilitySpec
+
+ASSETS = Path(corpus.__file__).parent / "assets"
+
+
+@pytest.fixture(scope="module")
+def engine() -> SimpleNamespace:
+    """The embedded model's own tokenizer behind the engine's ``encode``."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ASSETS / "model")
+    holder = SimpleNamespace(tokenizer=tokenizer)
+    holder.encode = lambda text, add_bos: Engine.encode(holder, text, add_bos)  # type: ignore[arg-type]
+    return holder
+
+
+@pytest.mark.parametrize("needed", [1, 500, 4_000, 30_000, 10**9])
+def test_the_leading_tokens_are_the_whole_texts(engine: SimpleNamespace, needed: int) -> None:
+    text = (ASSETS / "corpus.txt").read_text(encoding="utf-8")
+    whole = engine.encode(text, add_bos=False)
+    assert corpus.leading_tokens(engine, text, needed) == whole[:needed]
+
+
+def test_a_cut_inside_a_line_or_a_word_changes_no_kept_token(engine: SimpleNamespace) -> None:
+    text = "no line ends here, only words and spaces   " * 400
+    assert corpus.leading_tokens(engine, text, 700) == engine.encode(text, add_bos=False)[:700]
+
+
+def test_the_chunks_start_with_bos_and_cover_the_text_in_order(engine: SimpleNamespace, tmp_path: Path) -> None:
+    path = ASSETS / "corpus.txt"
+    spec = ProbabilitySpec(corpus=FileCorpus(path), chunks=3, chunk_tokens=256)
+    chunks = corpus.chunk_corpus(engine, spec, tmp_path / "thresholds.toml")
+    whole = engine.encode(path.read_text(encoding="utf-8"), add_bos=False)
+    bos = engine.tokenizer.bos_token_id
+    assert [chunk[0] for chunk in chunks] == [bos] * 3
+    assert sum((chunk[1:] for chunk in chunks), []) == whole[:3 * 255]
