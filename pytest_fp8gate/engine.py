@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from . import capabilities, lifecycle, provenance, stack
+from . import capabilities, lifecycle, provenance, stack, timing
 from .errors import IdScoringUnavailable, MeasurementError
 from .logprobs import LogprobRun
 from .rules import LoadLevel
@@ -96,6 +96,9 @@ class Engine:
     """A started ``vllm.LLM`` for one model spec. Call ``shutdown()`` before the next."""
 
     starts: ClassVar[int] = 0  # engines started in this process
+    # What vLLM logged in this process while the engine started (timing.startup_phases reads it);
+    # an engine core in a child process logs there instead.
+    startup_lines: tuple[str, ...] = ()
 
     @classmethod
     def prepare_process(cls, in_process: bool) -> None:
@@ -127,7 +130,10 @@ class Engine:
         before = lifecycle.starting(spec.name)
         Engine.starts += 1
         try:
-            self.llm = LLM(**kwargs)
+            # After vLLM's import, which configures its loggers and would drop a handler added before.
+            with timing.vllm_log_lines() as logged:
+                self.llm = LLM(**kwargs)
+            self.startup_lines = tuple(logged)
         except BaseException:
             lifecycle.abandon(spec.name)
             raise
@@ -153,10 +159,6 @@ class Engine:
     def max_model_len(self) -> int:
         """The longest prompt plus generation the engine accepts, in tokens."""
         return int(self.llm.llm_engine.model_config.max_model_len)
-
-    def startup_log(self) -> list[str]:
-        """vLLM's lines of this engine's start logged outside this process (an in-process core logs here)."""
-        return []
 
     def facts(self) -> dict[str, Any]:
         """What vLLM made of the settings it was given, and what it selected to serve them

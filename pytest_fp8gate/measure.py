@@ -145,9 +145,9 @@ class Measurements:
 
             engine_class = ServedEngine
         start_part = "engine start" if label == spec.name else f"engine start ({label})"
-        with self.time.span(spec.name, start_part), timing.vllm_log_lines() as logged:
+        with self.time.span(spec.name, start_part):
             engine = engine_class(spec, max_logprobs=self._max_logprobs(), dtype=dtype)
-        self.time.note_within(spec.name, start_part, timing.startup_phases([*logged, *engine.startup_log()]))
+        self.time.note_within(spec.name, start_part, timing.startup_phases(engine.startup_lines))
         note = capabilities_mod.version_note(engine.capabilities.vllm_version)
         if note:
             self.announce(f"fp8gate: {note}")

@@ -74,6 +74,7 @@ class ServedEngine(Engine):
             # The model's env is in os.environ now (measure.applied_env): the server inherits it.
             self.server = ManagedServer(spec.name, _with_dtype(served.command, dtype), max_logprobs)
             self.server.wait_healthy(served.health_timeout_s)
+            self.startup_lines = tuple(self.server.log_text().splitlines())  # an endpoint's start is not seen
             url = self.server.url
         else:
             assert served.endpoint is not None
@@ -104,10 +105,6 @@ class ServedEngine(Engine):
         if self.probe.max_model_len is None:
             raise EndpointError(f"{self.where}: /v1/models gives no max_model_len")
         return self.probe.max_model_len
-
-    def startup_log(self) -> list[str]:
-        """A managed server's log (its start-up lines); an endpoint's start is not the gate's to see."""
-        return self.server.log_text().splitlines() if self.server is not None else []
 
     def facts(self) -> dict[str, Any]:
         return {"served_model_name": self.served.served_model_name, "endpoint": self.client.shown,

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ _STARTUP_LINES: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 
 
-def startup_phases(lines: Iterator[str] | list[str]) -> dict[str, float]:
+def startup_phases(lines: Iterable[str]) -> dict[str, float]:
     """The phases of one engine start that vLLM logged, in seconds (absent ones left out).
 
     vLLM's "engine init" covers memory profiling, the KV cache, compilation and graph capture;
