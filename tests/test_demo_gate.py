@@ -98,11 +98,12 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
     done = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=env)
     assert report.is_file(), done.stdout[-5000:] + done.stderr[-5000:]
     tests = {}
-    for entry in json.loads(report.read_text())["tests"]:
+    written = json.loads(report.read_text())
+    for entry in written["tests"]:
         match = re.search(r"::(test_\w+)\[([\w.-]+?)(?:-tiny-arith)?\]$", entry["nodeid"])
         assert match, entry["nodeid"]
         tests[(match.group(2), match.group(1))] = entry
-    return {"done": done, "tests": tests, "workdir": workdir}
+    return {"done": done, "tests": tests, "workdir": workdir, "json": written}
 
 
 def _outcomes(demo: dict, candidate: str) -> dict[str, str]:
@@ -236,3 +237,16 @@ def test_reported_flips_equal_the_cli_on_the_exported_samples(demo: dict, capsys
         cli = json.loads(capsys.readouterr().out)
         assert cli["flips"] == numbers["measured"] == numbers["details"]["comparison"]["flips"]
         assert cli["right_to_wrong"] == numbers["details"]["comparison"]["right_to_wrong"]
+
+
+def test_the_time_table_accounts_for_the_whole_run(demo: dict) -> None:
+    time = demo["json"]["fp8gate"]["time"]
+    rows = time["rows"]
+    assert sum(row["seconds"] for row in rows) == pytest.approx(time["wall_s"], abs=0.01)
+    remainder = rows[-1]
+    assert remainder["owner"] == "remainder" and remainder["seconds"] <= 0.05 * time["wall_s"], rows
+    # From the gate session's start: all of pytest's run but its collection.
+    assert time["wall_s"] >= 0.95 * demo["json"]["duration"]
+    starts = [row for row in rows if row["part"] == "engine start"]
+    assert {row["owner"] for row in starts} >= {"bf16", "bf16-rerounded"}
+    assert all(row["within"] for row in starts), "vLLM's start-up phases are read for every in-process engine"
