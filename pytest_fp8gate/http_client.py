@@ -99,15 +99,16 @@ class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
 
 
 class _Watch:
-    """One request's deadline: when it passes, every connection of the request is shut down, so the
-    read blocked on it returns at once (a redirect's second connection included)."""
+    """One request's deadline: when it passes, every socket of the request is shut down, so the read
+    blocked on it returns at once (a redirect's second connection included). The socket itself is kept:
+    urllib drops the connection's reference once the headers are read, the response reads on."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.started = time.monotonic()
         self.expired = False
         self._lock = threading.Lock()
-        self._connections: list[http.client.HTTPConnection] = []
+        self._sockets: list[socket.socket] = []
         self._timer = threading.Timer(seconds, self.expire)
         self._timer.daemon = True
         self._timer.start()
@@ -118,23 +119,23 @@ class _Watch:
         class Watched(base):  # type: ignore[valid-type, misc]
             def connect(self) -> None:
                 super().connect()
-                watch._attach(self)
+                watch._attach(self.sock)
 
         return Watched
 
-    def _attach(self, connection: http.client.HTTPConnection) -> None:
+    def _attach(self, sock: socket.socket) -> None:
         with self._lock:
-            self._connections.append(connection)
+            self._sockets.append(sock)
             expired = self.expired
         if expired:
-            _shut(connection)
+            _shut(sock)
 
     def expire(self) -> None:
         with self._lock:
             self.expired = True
-            connections = list(self._connections)
-        for connection in connections:
-            _shut(connection)
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shut(sock)
 
     def cancel(self) -> None:
         self._timer.cancel()
@@ -143,11 +144,10 @@ class _Watch:
         return time.monotonic() - self.started
 
 
-def _shut(connection: http.client.HTTPConnection) -> None:
-    sock = connection.sock
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
+def _shut(sock: socket.socket) -> None:
+    # socket.socket's own shutdown, also for a TLS socket: it wakes the reader and leaves the TLS state alone.
+    with contextlib.suppress(OSError, ValueError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 class _WatchedHTTP(urllib.request.HTTPHandler):
