@@ -34,6 +34,7 @@ from .errors import EndpointError, EndpointStatus, EndpointTimeout
 # The default whole-request deadline (request_deadline_s; docs/thresholds.md: its basis).
 REQUEST_DEADLINE_S = 600.0
 SHORT_REQUEST_S = 30.0  # a GET of /v1/models, /version, /metrics or /health, capped by the deadline
+SOCKET_SLACK_S = 1.0
 BLANKED = "[key blanked]"
 _secrets: set[str] = set()  # the keys of this process's endpoints, as given and as JSON escapes them
 _secrets_lock = threading.Lock()
@@ -207,7 +208,9 @@ class EndpointClient:
         opener = urllib.request.build_opener(_SameOriginRedirects(), _WatchedHTTP(watch), _WatchedHTTPS(watch))
         try:
             try:
-                response = opener.open(request, timeout=deadline_s)
+                # Each socket operation may wait a little past the deadline: the watchdog, not a read's own
+                # timeout, ends the request, so that a late answer is always named as one.
+                response = opener.open(request, timeout=deadline_s + SOCKET_SLACK_S)
             except urllib.error.HTTPError as err:
                 raise EndpointStatus(f"HTTP {err.code}: {_detail(err)}", err.code) from None
             except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
