@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class Knobs:
     stream_fault: str | None = None
     stream_fault_every: int = 10
     echo_authorization: bool = False  # completions answer 400, quoting the request's Authorization header
+    tls: tuple[str, str] | None = None  # (certificate, key) files: serve HTTPS
     requests: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
 
@@ -84,7 +86,13 @@ class FakeEndpoint:
         self.tokenizer = _tokenizer()
         handler = type("Handler", (_Handler,), {"endpoint": self})
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        scheme = "http"
+        if knobs.tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*knobs.tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}"
 
     def __enter__(self) -> str:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()

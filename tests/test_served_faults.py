@@ -19,7 +19,7 @@ import pytest
 
 from fake_endpoint import FakeEndpoint, Knobs
 from pytest_fp8gate import lifecycle, server_process
-from pytest_fp8gate.errors import EndpointError
+from pytest_fp8gate.errors import ConfigError, EndpointError
 from test_served import MODEL, PROBABILITY_RULES, _config, _external
 
 KEY = "sk-fp8gate-fault-0123456789abcdef"
@@ -76,6 +76,82 @@ def _gate(pytester: pytest.Pytester, base: Knobs, cand: Knobs, *args: str, base_
             path.write_text(path.read_text().split("[probabilities]")[0] + load)
         return _run(pytester, *args)
 
+
+# ---- the deadline's settings ---------------------------------------------------------
+
+def test_the_deadline_is_a_served_model_s_setting_and_the_option_sets_every_one(tmp_path: Path):
+    from pytest_fp8gate.spec import with_request_deadline
+    from pytest_fp8gate.thresholds import load_config
+
+    path = _config(tmp_path, _keyed("http://127.0.0.1:1") + "\nrequest_deadline_s = 30",
+                   _keyed("http://127.0.0.1:2", "served-fp8"))
+    config = load_config(path)
+    assert config.baseline.served is not None and config.candidates[0].served is not None
+    assert (config.baseline.served.request_deadline_s, config.candidates[0].served.request_deadline_s) == (30, 600)
+    overridden = with_request_deadline(config, 2.5)
+    assert [m.served.request_deadline_s for m in (overridden.baseline, *overridden.candidates) if m.served] == [2.5] * 2
+    path.write_text(path.read_text().replace("request_deadline_s = 30", "request_deadline_s = 0"))
+    with pytest.raises(ConfigError, match=r"thresholds.toml: baseline.request_deadline_s: expected a number > 0, "
+                                          r"got 0$"):
+        load_config(path)
+    path.write_text(f'[baseline]\nname = "bf16"\nmodel = "{MODEL}"\nrequest_deadline_s = 5\n[[candidates]]\n'
+                    'name = "fp8"\nquantization = "fp8_per_channel"\n[speed]\n')
+    with pytest.raises(ConfigError, match=r"baseline.request_deadline_s: applies only to a served model"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
+def test_a_bad_deadline_option_is_a_usage_error(pytester: pytest.Pytester, value: str):
+    _config(pytester.path, _keyed("http://127.0.0.1:1"), _keyed("http://127.0.0.1:2", "served-fp8"))
+    result = pytester.runpytest("thresholds.toml", f"--fp8gate-request-deadline={value}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--fp8gate-request-deadline {value}: expected a number of seconds above 0"])
+
+
+TLS = Path(__file__).parent / "data" / "tls"
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+def test_the_deadline_bounds_the_whole_request_however_its_bytes_arrive(monkeypatch: pytest.MonkeyPatch, tls: bool):
+    """A per-read timeout of 1 s never fires on a byte every 0.3 s; the whole-request deadline does, over TLS
+    too, and a prompt answer is read in full."""
+    from pytest_fp8gate.errors import EndpointTimeout
+    from pytest_fp8gate.http_client import EndpointClient
+
+    monkeypatch.setenv("SSL_CERT_FILE", str(TLS / "cert.pem"))  # the client verifies the fake's certificate
+    files = (str(TLS / "cert.pem"), str(TLS / "key.pem")) if tls else None
+    with FakeEndpoint(Knobs(tls=files)) as url:
+        assert url.startswith("https://" if tls else "http://")
+        assert EndpointClient(url, deadline_s=1.0).get("/version") == {"version": "0.0.0-fake"}
+    with FakeEndpoint(Knobs(tls=files, drip_s=0.3)) as url:
+        started = time.monotonic()
+        with pytest.raises(EndpointTimeout, match=r"/v1/models: no complete answer within the request deadline of "
+                                                  r"1 s \(request_deadline_s\); gave up after 1\.\d s$"):
+            EndpointClient(url, deadline_s=1.0).get("/v1/models")
+        assert time.monotonic() - started < 1 + SLACK_S
+
+
+def test_a_hung_server_costs_one_deadline_not_one_per_request():
+    """40 chunks, 32 in flight, none answered: the first deadline aborts those in flight, the rest never go out."""
+    from pytest_fp8gate.errors import EndpointTimeout
+    from pytest_fp8gate.served_engine import MAX_IN_FLIGHT, ServedEngine
+    from pytest_fp8gate.spec import ModelSpec, ServedSpec
+
+    fake = FakeEndpoint(Knobs(hang_after=2))
+    with fake as url:
+        spec = ModelSpec("bf16", MODEL, None, {}, served=ServedSpec("served-bf16", endpoint=url, request_deadline_s=1))
+        engine = ServedEngine(spec, max_logprobs=5)
+        started = time.monotonic()
+        with pytest.raises(EndpointTimeout, match="gave up after 1"):
+            engine.prompt_logprobs([[1, 2, 3]] * 40, 5, False)
+        took = time.monotonic() - started
+        engine.shutdown()
+    # Some of the 32 may still be connecting (the fake accepts one at a time): at most the socket's own
+    # timeout, a second past the deadline, ends them.
+    assert took < 1 + SLACK_S and len(fake.hung_at) <= MAX_IN_FLIGHT < 40
+
+
+# ---- faults through the whole gate ------------------------------------------------------
 
 def test_a_request_never_answered_after_the_probe_ends_at_the_option_s_deadline(pytester: pytest.Pytester):
     fake = FakeEndpoint(Knobs(api_key=KEY, hang_after=2))  # the probe's two completions answered, no chunk
