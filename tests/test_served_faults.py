@@ -180,7 +180,7 @@ def test_an_answer_dripped_a_byte_at_a_time_ends_at_the_model_s_deadline(pyteste
     ("error-event", "the stream carried an error event: the engine core died mid-request"),
     ("drop", "the stream ended without its closing [[]DONE[]] (the connection dropped mid-stream)"),
     ("status", "HTTP 500: EngineCore encountered an issue"),
-])
+], ids=["abort", "error-event", "drop", "status"])
 def test_a_load_level_with_a_failed_stream_fails_the_load_rule_with_the_count(
         pytester: pytest.Pytester, fault: str, message: str):
     # Streams 1-4 warm up, 5-8 are concurrency 1, 9-12 concurrency 4: the 10th fails.
@@ -244,7 +244,7 @@ NEVER_HEALTHY = "import time\nprint('loading forever', flush=True)\ntime.sleep(6
                   "ValueError: no such model"),
     (NEVER_HEALTHY, 1.0, "bf16: vllm serve not healthy after 1 s (health_timeout_s); last log lines: loading "
                          "forever"),
-])
+], ids=["exits", "never-healthy"])
 def test_a_failed_start_leaves_no_log_file_and_no_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                          script: str, health_timeout_s: float, message: str):
     (tmp_path / "server.py").write_text(script)
