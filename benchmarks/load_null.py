@@ -36,7 +36,7 @@ def null_rounds(argv: Sequence[str], served_name: str, spec: LoadSpec, rounds: i
         client = EndpointClient(server.url)
         return [load.measure_levels(client, served_name, spec, vocab_size, seed=1000 + r) for r in range(rounds)]
     finally:
-        server.stop()
+        server.finish()
 
 
 def null_lines(found: list[list[LoadLevel]]) -> list[str]:

@@ -164,10 +164,12 @@ class BaselineCache:
     def entry_path(self, name: str, key: dict[str, Any]) -> Path:
         return self.root / f"{name}-{key_digest(key)[:16]}"
 
-    def fetch(self, spec: ModelSpec, key: dict[str, Any], target: Path,
-              measure: Callable[[], BaselineRecord]) -> BaselineRecord:
+    def fetch(self, spec: ModelSpec, key: dict[str, Any], target: Path, measure: Callable[[], BaselineRecord],
+              stale: Callable[[BaselineRecord], str | None] | None = None) -> BaselineRecord:
         """The cached baseline ``spec`` when a valid entry has ``key`` (see ``baseline_key``), its files
-        copied into ``target``; else ``measure()``, which writes its artifacts there, then store it."""
+        copied into ``target``; else ``measure()``, which writes its artifacts there, then store it.
+        ``stale``: why a restored record no longer holds for what it was measured on (an endpoint that
+        answers otherwise now), or None; a reason measures it again and replaces the entry."""
         name = spec.name
         entry = self.entry_path(name, key)
         with self.locked(entry):
@@ -176,9 +178,12 @@ class BaselineCache:
             else:
                 try:
                     record = self.load(entry, key, spec, target)
-                    self.announce(f"fp8gate: baseline {name} from the cache: {entry} "
-                                  f"(measured {record.measured_at}); no baseline engine started")
-                    return record
+                    changed = stale(record) if stale is not None else None
+                    if changed is None:
+                        self.announce(f"fp8gate: baseline {name} from the cache: {entry} "
+                                      f"(measured {record.measured_at}); no baseline engine started")
+                        return record
+                    why = f"entry not reused: {changed}"
                 except FileNotFoundError:
                     why = self._miss_reason(name, key)
                 except CacheEntryError as err:

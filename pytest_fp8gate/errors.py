@@ -96,6 +96,10 @@ class EndpointError(Fp8GateError):
     The message names the model, the (redacted) URL and the one thing missing."""
 
 
+class EndpointTimeout(EndpointError):
+    """A request to an endpoint had no complete answer within its deadline (request_deadline_s)."""
+
+
 class EndpointStatus(EndpointError):
     """The endpoint answered with an error status (``status``); str() is ``HTTP <status>: <its message>``."""
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import EndpointError, EndpointTimeout
 from .http_client import EndpointClient
 from .rules import LoadLevel
 from .spec import LoadSpec
@@ -25,21 +26,34 @@ from .spec import LoadSpec
 WARMUP_TOKENS = 8  # a warm-up level's output: it only has to reach every batch size once
 
 
-def _one(client: EndpointClient, body: dict[str, Any]) -> tuple[float, float, int]:
-    """(TTFT, TPOT, output tokens) of one streamed request."""
+def streamed(client: EndpointClient, body: dict[str, Any]) -> tuple[float, float, float, int]:
+    """(start, first token, last token: perf_counter times; output tokens) of one streamed completion that
+    ``body`` asks for ``max_tokens`` tokens of with ``ignore_eos``. Only a complete stream counts: one that
+    ends with finish_reason "length" and, where the server reports token ids, with all ``max_tokens`` of
+    them. A stream aborted early, carrying an error event or dropped raises EndpointError."""
     started = time.perf_counter()
     first = last = None
-    tokens = 0
+    tokens, ids_reported, finish = 0, False, None
     for at, event in client.stream("/v1/completions", body):
         for choice in event.get("choices") or []:
             ids = choice.get("token_ids")
+            ids_reported = ids_reported or ids is not None
             count = len(ids) if ids is not None else (1 if choice.get("text") else 0)
             if count:
                 first = first or at
                 last = at
                 tokens += count
-    if first is None or last is None:
-        return float("nan"), float("nan"), 0
+            finish = choice.get("finish_reason") or finish
+    asked = int(body["max_tokens"])
+    if finish != "length" or (ids_reported and tokens != asked) or first is None or last is None:
+        raise EndpointError(f"{client.shown}/v1/completions: a stream ended after {tokens} of {asked} tokens "
+                            f"with finish_reason {finish!r} (a complete one ends with 'length')")
+    return started, first, last, tokens
+
+
+def _one(client: EndpointClient, body: dict[str, Any]) -> tuple[float, float, int]:
+    """(TTFT, TPOT, output tokens) of one complete streamed request."""
+    started, first, last, tokens = streamed(client, body)
     tpot = (last - first) / (tokens - 1) if tokens > 1 else float("nan")
     return first - started, tpot, tokens
 
@@ -49,17 +63,37 @@ def measure_level(client: EndpointClient, model: str, concurrency: int, requests
     """``requests`` streamed requests of random prompt ids, ``concurrency`` in flight at a time.
 
     The same ``seed`` gives the same prompts, so a baseline and its candidate are sent alike; a
-    second measurement of one server needs another seed, or its prefix cache serves the prompts."""
+    second measurement of one server needs another seed, or its prefix cache serves the prompts.
+    Only complete requests count: any failed one (an error status, an early end, an error event, a
+    dropped stream) fails the level with the count; one past its deadline ends the level at once."""
     rng = np.random.default_rng(seed)
     bodies = [{"model": model, "prompt": rng.integers(0, min(vocab_size, 10000), input_len).tolist(),
                "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
                "return_token_ids": True} for _ in range(requests)]
     started = time.perf_counter()
+    results: list[tuple[float, float, int]] = []
+    failures: list[EndpointError] = []
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        results = list(pool.map(lambda body: _one(client, body), bodies))
+        futures = [pool.submit(_one, client, body) for body in bodies]
+        try:
+            for future in futures:
+                try:
+                    results.append(future.result())
+                except EndpointTimeout:
+                    raise
+                except EndpointError as err:
+                    failures.append(err)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            client.abort()
+            raise
     wall = time.perf_counter() - started
+    if failures:
+        raise EndpointError(f"{client.shown}: load at concurrency {concurrency}: {len(failures)} of {requests} "
+                            f"streamed requests failed (only complete requests count); the first: {failures[0]}")
     return LoadLevel(concurrency, requests, wall, sum(r[2] for r in results),
-                     tuple(r[0] for r in results if r[2]), tuple(r[1] for r in results if r[2] > 1))
+                     tuple(r[0] for r in results), tuple(r[1] for r in results if r[2] > 1))
 
 
 def measure_levels(client: EndpointClient, model: str, spec: LoadSpec, vocab_size: int,

@@ -19,6 +19,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+import numpy as np
+
 from . import capabilities as capabilities_mod
 from . import checkpoint, decode_passes, gpu_bandwidths, hardware, preflight, provenance, timing
 from . import corpus as corpus_mod
@@ -35,6 +37,18 @@ if TYPE_CHECKING:
     from .baseline_cache import BaselineCache
 
 BATCH_ORDER = BatchLayout(reverse=True, stride=NOISE_STRIDE)  # for prompt logprobs, generation and scoring alike
+# A restored endpoint baseline's probe (Measurements._endpoint_drift): the live chunk may differ from the
+# cached one by this times the batch-order floor's difference on it, and by this many nats in any case.
+DRIFT_FLOOR_FACTOR = 2.0
+DRIFT_MIN_NATS = 1e-3
+
+
+def _mean_abs_difference(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean |a - b| over positions; a position finite in one and not the other counts as infinite."""
+    both = np.isfinite(a) & np.isfinite(b)
+    if not np.array_equal(np.isfinite(a), np.isfinite(b)):
+        return float("inf")
+    return float(np.mean(np.abs(a[both] - b[both]))) if both.any() else 0.0
 
 
 class Measurements:
@@ -226,7 +240,8 @@ class Measurements:
         return total
 
     def _measure_baseline(self) -> None:
-        problem = preflight.parallelism_problem(self.config, len(hardware.cuda_device_names()), self.needs)
+        problem = preflight.key_problem(self.config, self.needs) or preflight.parallelism_problem(
+            self.config, len(hardware.cuda_device_names()), self.needs)
         if problem:
             raise MeasurementError(problem)
         # The seam of the baseline cache: it returns a stored record, or measures one and stores it.
@@ -234,9 +249,11 @@ class Measurements:
             record = self._measure_baseline_engines()
         else:
             spec = self.config.baseline
+            external = spec.served is not None and not spec.served.managed
             with self.time.span(timing.GATE, "baseline cache"):  # a miss's engines charge their own spans
                 record = self.baseline_cache.fetch(spec, self.baseline_key(self._all_needs()),
-                                                   self.artifacts / spec.name, self._measure_baseline_engines)
+                                                   self.artifacts / spec.name, self._measure_baseline_engines,
+                                                   self._endpoint_drift if external else None)
             if self._all_needs().speed and record.cached:  # where this checkout keeps the weights
                 self._look_up_speed_inputs(record.result)
         self._baseline, self._noise, self._chunks = record.result, record.noise, record.chunks
@@ -245,6 +262,36 @@ class Measurements:
             self.decode_floor = dict(record.decode_floor)
         self.id_scoring_refusal = record.id_scoring_refusal
         self.baseline_record = record
+
+    def _endpoint_drift(self, record: BaselineRecord) -> str | None:
+        """Why a restored endpoint baseline no longer holds, or None: its key knows only the URL, the served
+        name and the local tokenizer, so weights changed behind them are caught by one probe: the first
+        chunk's log-probs from the live endpoint against the restored ones, within twice the batch-order
+        floor's mean |difference| on that chunk (at least DRIFT_MIN_NATS)."""
+        spec = self.config.baseline
+        probabilities = self.config.probabilities
+        cached = record.result.main.logprobs
+        if probabilities is None or cached is None or not record.chunks:
+            self.announce(f"fp8gate: baseline {spec.name}: the cache entry holds no probability log-probs, so it "
+                          "is not checked against the live endpoint (docs/usage.md: a redeploy behind the same URL "
+                          "and name goes unnoticed; --fp8gate-update-baseline after one)")
+            return None
+        chunk = record.chunks[0]
+        positions = len(chunk) - 1
+        with self._running(spec, f"{spec.name}-cache-check") as engine:
+            live = engine.prompt_logprobs([chunk], probabilities.top_k, self._full_vocab_wanted())
+        drift = _mean_abs_difference(live.real_logprob[:positions], cached.real_logprob[:positions])
+        floor = record.noise.get(BATCH_ORDER_PASS)
+        noise = floor.logprobs if floor is not None else None
+        floor_drift = 0.0 if noise is None else _mean_abs_difference(noise.real_logprob[:positions],
+                                                                      cached.real_logprob[:positions])
+        tolerance = max(DRIFT_FLOOR_FACTOR * floor_drift, DRIFT_MIN_NATS)
+        if drift <= tolerance:
+            return None
+        return (f"the endpoint answers otherwise than when the entry was measured: the first chunk's real-token "
+                f"log-probs differ by {drift:.3g} nats on average, over the tolerance {tolerance:.3g} "
+                f"({DRIFT_FLOOR_FACTOR:g} x the batch-order floor's {floor_drift:.3g}, at least {DRIFT_MIN_NATS:g}); "
+                "was it redeployed behind the same URL and name?")
 
     def _measure_baseline_engines(self) -> BaselineRecord:
         spec, needs = self.config.baseline, self._all_needs()

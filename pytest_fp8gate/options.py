@@ -30,6 +30,7 @@ class Settings:
     report: Path | None = None  # markdown report (plots next to it); None: only $GITHUB_STEP_SUMMARY
     allow_no_rules: bool = False  # a run may select none of the file's rules
     config_source: str | None = None  # SOURCE_*; None without a file
+    request_deadline_s: float | None = None  # every served model's, over the thresholds file's; None: the file's
 
     @property
     def config_explicit(self) -> bool:
@@ -69,7 +70,21 @@ def read_settings(config: pytest.Config) -> Settings:
         allow_no_rules=bool(config.getoption("fp8gate_allow_no_rules"))
         or bool(config.getini("fp8gate_allow_no_rules")),
         config_source=source,
+        request_deadline_s=_seconds_option(config, "fp8gate_request_deadline", "--fp8gate-request-deadline"),
     )
+
+
+def _seconds_option(config: pytest.Config, name: str, flag: str) -> float | None:
+    given = config.getoption(name)
+    if given is None:
+        return None
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise pytest.UsageError(f"{flag} {given}: expected a number of seconds above 0")
+    return seconds
 
 
 def display_path(path: Path) -> Path:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 _GATE_PLUGIN = "fp8gate-gate"  # the hooks registered once the gate is asked for
 _INI_KEYS = ("fp8gate_config", "fp8gate_require_gpu", "fp8gate_artifacts", "fp8gate_baseline_cache", "fp8gate_report",
              "fp8gate_allow_no_rules")
-_OPTION_DESTS = (*_INI_KEYS, "fp8gate_update_baseline")
+_OPTION_DESTS = (*_INI_KEYS, "fp8gate_update_baseline", "fp8gate_request_deadline")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -66,6 +66,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="Let a run with a thresholds file select none of its rules (by default that is an error)",
     )
+    group.addoption(
+        "--fp8gate-request-deadline",
+        metavar="SECONDS",
+        help="Whole-request deadline of every served model's requests, streams included, over each model's "
+        "request_deadline_s (default 600)",
+    )
     parser.addini("fp8gate_config", "Thresholds TOML of the gate, relative to the ini file")
     parser.addini("fp8gate_require_gpu", "Error out instead of skipping the gate's gpu rule tests without a CUDA "
                   "device", type="bool")
@@ -96,9 +102,14 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if settings.config_path is not None:
         try:
-            config.stash[CONFIG_KEY] = load_config(options.display_path(settings.config_path))
+            gate = load_config(options.display_path(settings.config_path))
         except ConfigError as err:
             raise pytest.UsageError(str(err)) from None
+        if settings.request_deadline_s is not None:
+            from .spec import with_request_deadline
+
+            gate = with_request_deadline(gate, settings.request_deadline_s)
+        config.stash[CONFIG_KEY] = gate
         refusals.check_not_distributed(config)
     refusals.check_toml_args(config, settings.config_path)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import re
 import statistics as stats
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -80,7 +79,8 @@ class ServedEngine(Engine):
             assert served.endpoint is not None
             url = served.endpoint
         try:
-            self.client = EndpointClient(url, None if served.managed else served.api_key_env)
+            self.client = EndpointClient(url, None if served.managed else served.api_key_env,
+                                         served.request_deadline_s)
             self.where = f"{spec.name} at {self.client.shown}"
             self.probe = endpoint_probe.probe(self.client, spec.name, served.served_model_name,
                                               lambda text: list(self.tokenizer.encode(text)), max_logprobs)
@@ -117,7 +117,7 @@ class ServedEngine(Engine):
         """The first choice of each request, sent in the layout's order and concurrency, in request order."""
         base = {"model": self.served.served_model_name, **_GREEDY}
         return _in_layout(layout, bodies, lambda body: endpoint_probe.completion(
-            self.client, self.where, {**base, **body}))
+            self.client, self.where, {**base, **body}), self.client)
 
     def _prompt_rows(self, prompts: Sequence[Sequence[int]], want: int,
                      layout: BatchLayout) -> list[list[dict[str, Any]]]:
@@ -193,19 +193,14 @@ class ServedEngine(Engine):
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, min(self.vocab_size, 10000), input_len).tolist() for _ in range(batch_size)]
         body = {"model": self.served.served_model_name, "max_tokens": output_len, "ignore_eos": True,
-                "temperature": 1.0, "top_p": 1.0, "seed": 0, "stream": True}
+                "temperature": 1.0, "top_p": 1.0, "seed": 0, "stream": True, "return_token_ids": True}
 
         def one(prompt: list[int]) -> tuple[float, float]:
-            started = time.perf_counter()
-            first = None
-            for at, event in self.client.stream("/v1/completions", {**body, "prompt": prompt}):
-                if first is None and event.get("choices"):
-                    first = at
-            ended = time.perf_counter()
-            return (first or ended) - started, ended - started
+            started, first, _, _ = load.streamed(self.client, {**body, "prompt": prompt})
+            return first - started, time.perf_counter() - started
 
         def timed() -> tuple[float, float]:
-            times = _in_layout(ALL_AT_ONCE, prompts, one)
+            times = _in_layout(ALL_AT_ONCE, prompts, one, self.client)
             return max(t[0] for t in times), max(t[1] for t in times)
 
         for _ in range(warmup_iters):
@@ -227,20 +222,27 @@ class ServedEngine(Engine):
         """Stop a managed server and copy its log into the output of the rule test that started it."""
         if self.server is None:
             return
-        self.server.stop()
-        sys.stderr.write(f"--- vllm serve log of {self.spec.name} ---\n{self.server.log_text()}")
-        self.server.log_path.unlink(missing_ok=True)
+        self.server.finish()
         self.server = None
 
 
-def _in_layout(layout: BatchLayout, items: Sequence[Any], send: Callable[[Any], T]) -> list[T]:
+def _in_layout(layout: BatchLayout, items: Sequence[Any], send: Callable[[Any], T],
+               client: EndpointClient) -> list[T]:
     """``send`` each item: all at once (at most MAX_IN_FLIGHT in flight) or in the layout's calls of ``size``
-    concurrent requests; results in item order."""
+    concurrent requests; results in item order. The first failure ends the rest: those not sent are
+    cancelled, those in flight at ``client`` aborted, so a hang costs one deadline, not one per request."""
     results: list[Any] = [None] * len(items)
     for batch in layout.batches(len(items)):
         with ThreadPoolExecutor(max_workers=max(1, min(len(batch), layout.size or MAX_IN_FLIGHT))) as pool:
-            for i, result in zip(batch, pool.map(lambda i: send(items[i]), batch)):
-                results[i] = result
+            futures = [pool.submit(send, items[i]) for i in batch]
+            try:
+                for i, future in zip(batch, futures):
+                    results[i] = future.result()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                client.abort()
+                raise
     return results
 
 

@@ -83,6 +83,8 @@ class ManagedServer:
                 start_new_session=True, preexec_fn=_die_with_parent)
         except BaseException:
             lifecycle.abandon(label)
+            self._log.close()
+            self.log_path.unlink(missing_ok=True)
             raise
         self._tracked = lifecycle.track(label, lifecycle.child_pids() - before)
 
@@ -95,7 +97,7 @@ class ManagedServer:
             if code is not None:
                 raise self._failed(f"exited with status {code} before it became healthy")
             try:
-                client.get_text("/health", timeout=5.0)
+                client.get_text("/health", deadline_s=5.0)
                 return time.perf_counter() - started
             except EndpointError:
                 pass
@@ -104,9 +106,17 @@ class ManagedServer:
             time.sleep(POLL_S)
 
     def _failed(self, what: str) -> EndpointError:
-        self.stop()
-        tail = " | ".join(line.strip() for line in self.log_text().splitlines()[-5:] if line.strip())
+        tail = " | ".join(line.strip() for line in self.finish().splitlines()[-5:] if line.strip())
         return EndpointError(f"{self.label}: vllm serve {what}; last log lines: {tail or '(none)'}")
+
+    def finish(self) -> str:
+        """Stop the server, copy its log into the output of the rule test that started it (stderr), remove the
+        log file (nothing is left in the temporary directory) and return the log's text."""
+        self.stop()
+        text = self.log_text()
+        sys.stderr.write(f"--- vllm serve log of {self.label} ---\n{text}")
+        self.log_path.unlink(missing_ok=True)
+        return text
 
     def log_text(self) -> str:
         try:

@@ -7,10 +7,11 @@ reads an absent key as its field's default.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from .http_client import REQUEST_DEADLINE_S
 from .rules import SHARE_OF_BASELINE
 
 
@@ -29,6 +30,8 @@ class ServedSpec:
     endpoint: str | None = None
     api_key_env: str | None = None  # the environment variable holding the API key (never the key)
     health_timeout_s: float = 600.0
+    # Each request answered in full within this (streams included), or the measurement fails naming it.
+    request_deadline_s: float = REQUEST_DEADLINE_S
 
     @property
     def managed(self) -> bool:
@@ -238,3 +241,11 @@ class GateConfig:
     deterministic_scheduling: bool = False
     decode: DecodeSpec | None = None  # the decode-phase check; needs [probabilities] for its prompts
     load: LoadSpec | None = None  # speed under load; every model served
+
+
+def with_request_deadline(config: GateConfig, seconds: float) -> GateConfig:
+    """``config`` with every served model's request deadline set to ``seconds`` (--fp8gate-request-deadline)."""
+    def one(spec: ModelSpec) -> ModelSpec:
+        return spec if spec.served is None else replace(spec, served=replace(spec.served, request_deadline_s=seconds))
+
+    return replace(config, baseline=one(config.baseline), candidates=tuple(one(c) for c in config.candidates))

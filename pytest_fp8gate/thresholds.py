@@ -242,7 +242,8 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Set by the gate itself for the whole process (deterministic_scheduling), not per engine.
 _GATE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "set by the gate from deterministic_scheduling"}
 _MODEL_KEYS = ("name", "model", "quantization", "engine", "env",
-               *("serve", "health_timeout_s", "endpoint", "served_model_name", "api_key_env"))  # issue 20
+               *("serve", "health_timeout_s", "endpoint", "served_model_name", "api_key_env",  # issue 20
+                 "request_deadline_s"))
 _FRACTION = _number(0, 1)
 _POSITIVE_FRACTION = _number(0, 1, low_open=True)
 _RATIO = _number(1)  # a limit relative to BF16 or to the noise floor is never below 1
@@ -484,6 +485,7 @@ class _Parser:
         if "engine" in table.raw:
             raise self.error(table.key("engine"), "engine keys are vllm.LLM's; a served model's settings are "
                                                   "its serve command's flags")
+        deadline = table.get("request_deadline_s", _number(0, low_open=True), http_client.REQUEST_DEADLINE_S)
         if "serve" in table.raw:
             for key in ("model", "quantization", "served_model_name", "api_key_env"):
                 if key in table.raw:
@@ -502,7 +504,8 @@ class _Parser:
             served = ServedSpec(
                 served_model_name=_flag_value(argv, "--served-model-name", str) or model,
                 command=tuple(argv),
-                health_timeout_s=table.get("health_timeout_s", _number(0, low_open=True), 600.0))
+                health_timeout_s=table.get("health_timeout_s", _number(0, low_open=True), 600.0),
+                request_deadline_s=deadline)
         else:
             for key in ("env", "health_timeout_s"):
                 if key in table.raw:
@@ -521,7 +524,8 @@ class _Parser:
             quantization = table.get("quantization", _vllm_name("quantization method", QUANTIZATION_METHODS,
                                                                 allow_empty=True), "") or None
             engine = {}
-            served = ServedSpec(served_model_name=served_name, endpoint=endpoint.rstrip("/"), api_key_env=key_env)
+            served = ServedSpec(served_model_name=served_name, endpoint=endpoint.rstrip("/"), api_key_env=key_env,
+                                request_deadline_s=deadline)
         # A served model's env is its own, like its command (not merged over the baseline's).
         env = self.env(table.key("env"), table.raw.get("env", {}), served=True) if served.managed else {}
         spec = ModelSpec(name, model, quantization, engine, env, served)
@@ -820,7 +824,8 @@ class _Parser:
 
 
 # --- served models (issue 20) -------------------------------------------------
-_SERVED_ONLY_KEYS = ("serve", "health_timeout_s", "endpoint", "served_model_name", "api_key_env")
+_SERVED_ONLY_KEYS = ("serve", "health_timeout_s", "endpoint", "served_model_name", "api_key_env",
+                     "request_deadline_s")
 _SERVE_INSTEAD = {
     "model": "the command names the model (vllm serve MODEL)",
     "quantization": "give --quantization in the command",

@@ -4,8 +4,10 @@ load rule's engine-free tests.
 Its knobs break one thing each (no prompt or decode-time log-probs, decode-time log-probs
 other than prefill's, another model name, a key,
 a redirect to another host, a tokenizer that cuts text otherwise, a slower stream
-or first token, streams one at a time); the
-measurements themselves are tested against real ``vllm serve`` processes.
+or first token, streams one at a time, other weights behind the same name, requests never
+answered, answers dripped a byte at a time, streams that fail, an error that quotes the
+Authorization header); the measurements themselves are tested against real ``vllm serve`` processes.
+Every wait of a fault ends when the fake closes, or after ``HANG_S``.
 Text prompts are cut by the embedded model's tokenizer, as the real server's.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +24,8 @@ from typing import Any
 
 VOCAB = 259
 STREAM_TOKEN_S = 0.005  # between streamed tokens
+HANG_S = 60.0  # the longest a never-answered request holds its thread
+STREAM_FAULTS = ("abort", "error-event", "drop", "status")
 
 
 def _logprob(rank: int, scale: float = 1.0) -> float:
@@ -46,6 +51,15 @@ class Knobs:
     first_token_s: float = 0.0
     kv_blocks: int = 64  # /metrics' vllm:cache_config_info, 16-token blocks
     serialized: bool = False  # streams one request at a time: a build that does not batch
+    logprob_scale: float = 1.0  # the prompt log-probs' distribution (_logprob's scale): other weights
+    hang_after: int | None = None  # completions after this many are never answered
+    drip_s: float | None = None  # every answer's body is sent one byte this often
+    # Every stream_fault_every-th stream fails: finish_reason "abort" after one token, vLLM's in-stream
+    # error event, the connection closed after one token without [DONE], or HTTP 500.
+    stream_fault: str | None = None
+    stream_fault_every: int = 10
+    echo_authorization: bool = False  # completions answer 400, quoting the request's Authorization header
+    tls: tuple[str, str] | None = None  # (certificate, key) files: serve HTTPS
     requests: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
 
@@ -62,18 +76,30 @@ class FakeEndpoint:
     """``with FakeEndpoint(Knobs(...)) as url:`` serves on 127.0.0.1 until the block ends."""
 
     def __init__(self, knobs: Knobs) -> None:
+        assert knobs.stream_fault in (None, *STREAM_FAULTS), knobs.stream_fault
         self.knobs = knobs
         self.one_at_a_time = threading.Lock()  # held while streaming, with Knobs.serialized
+        self.counting = threading.Lock()
+        self.completions = self.streams = 0
+        self.closing = threading.Event()  # set on leaving: every hung request ends
+        self.hung_at: list[float] = []  # time.monotonic() of each request left unanswered
         self.tokenizer = _tokenizer()
         handler = type("Handler", (_Handler,), {"endpoint": self})
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        scheme = "http"
+        if knobs.tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*knobs.tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}"
 
     def __enter__(self) -> str:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self.url
 
     def __exit__(self, *exc: object) -> None:
+        self.closing.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -95,9 +121,11 @@ class FakeEndpoint:
                 return 400, {"error": {"message": f"Requested prompt logprobs of {count}, which is greater than "
                                                   f"max allowed: {self.knobs.max_logprobs}"}}
             rows: list[Any] = [None]
+            scale = self.knobs.logprob_scale
             for token in ids[1:]:
-                row = {str(token): {"logprob": _logprob(token), "rank": 1 + token}}
-                row.update({str(t): {"logprob": _logprob(r), "rank": r + 1} for r, t in enumerate(range(count))})
+                row = {str(token): {"logprob": _logprob(token, scale), "rank": 1 + token}}
+                row.update({str(t): {"logprob": _logprob(r, scale), "rank": r + 1}
+                            for r, t in enumerate(range(count))})
                 rows.append(row)
             choice["prompt_logprobs"] = rows
         want = body.get("logprobs")
@@ -138,7 +166,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        drip = self.endpoint.knobs.drip_s
+        if drip is None:
+            self.wfile.write(data)
+            return
+        for i in range(len(data)):  # a byte at a time, until the client gives up or the fake closes
+            if self.endpoint.closing.wait(drip):
+                return
+            try:
+                self.wfile.write(data[i:i + 1])
+                self.wfile.flush()
+            except OSError:
+                return
 
     def _gatekeeper(self) -> bool:
         knobs = self.endpoint.knobs
@@ -182,25 +221,54 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != "/v1/completions":
             self._answer(404, {"error": "not found"})
             return
-        if body.get("stream"):
-            if self.endpoint.knobs.serialized:
-                with self.endpoint.one_at_a_time:
-                    self._stream(int(body.get("max_tokens", 16)))
-            else:
-                self._stream(int(body.get("max_tokens", 16)))
+        endpoint, knobs = self.endpoint, self.endpoint.knobs
+        with endpoint.counting:
+            endpoint.completions += 1
+            answered = knobs.hang_after is None or endpoint.completions <= knobs.hang_after
+        if not answered:
+            endpoint.hung_at.append(time.monotonic())
+            endpoint.closing.wait(HANG_S)
             return
-        self._answer(*self.endpoint.completion(body))
+        if knobs.echo_authorization:
+            self._answer(400, {"error": {"message": f"malformed request (headers: Authorization: "
+                                                    f"{self.headers.get('Authorization')})"}})
+            return
+        if body.get("stream"):
+            with endpoint.counting:
+                endpoint.streams += 1
+                fault = knobs.stream_fault if endpoint.streams % knobs.stream_fault_every == 0 else None
+            if knobs.serialized:
+                with endpoint.one_at_a_time:
+                    self._stream(int(body.get("max_tokens", 16)), fault)
+            else:
+                self._stream(int(body.get("max_tokens", 16)), fault)
+            return
+        self._answer(*endpoint.completion(body))
 
-    def _stream(self, tokens: int) -> None:
-        """One server-sent event a token, ``stream_token_s`` apart (after ``first_token_s``), then [DONE]."""
+    def _stream(self, tokens: int, fault: str | None) -> None:
+        """One server-sent event a token, ``stream_token_s`` apart (after ``first_token_s``), the last with
+        finish_reason "length", then [DONE]; or the stream ``fault``."""
         knobs = self.endpoint.knobs
+        if fault == "status":
+            self._answer(500, {"error": {"message": "EngineCore encountered an issue"}})
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         time.sleep(knobs.first_token_s)
-        for i in range(tokens):
+        for i in range(1 if fault else tokens):
             time.sleep(knobs.stream_token_s)
-            event = {"choices": [{"index": 0, "text": "x", "token_ids": [120]}]}
-            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-            self.wfile.flush()
+            finish = "length" if i == tokens - 1 else None
+            self._event({"choices": [{"index": 0, "text": "x", "token_ids": [120], "finish_reason": finish}]})
+        if fault == "drop":
+            return  # the connection closes without [DONE]
+        if fault == "abort":
+            self._event({"choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": "abort"}]})
+        elif fault == "error-event":  # vLLM's: an ErrorResponse as one event, then [DONE]
+            self._event({"error": {"message": "the engine core died mid-request", "type": "InternalServerError",
+                                   "param": None, "code": 500}})
         self.wfile.write(b"data: [DONE]\n\n")
+
+    def _event(self, event: dict[str, Any]) -> None:
+        self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+        self.wfile.flush()
