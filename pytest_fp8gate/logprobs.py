@@ -226,11 +226,6 @@ class LogprobComparison:
         del figures["kl_values"]
         return figures
 
-    @property
-    def ppl_ratio_se(self) -> float:
-        """SE of ``ppl_ratio``, by the delta method from the SE of its log."""
-        return self.ppl_ratio * self.ln_ppl_ratio_se
-
 
 def _mean_se(values: np.ndarray) -> tuple[float, float]:
     n = values.shape[0]

@@ -368,7 +368,7 @@ quantization = "fp8_per_channel"
 """
 # For THRESHOLDS: "good" within every limit, "bad" past them (its decode at 0.3x the baseline's speed).
 MODELS = {"good": FakeModel(logit_noise=0.004, seed=2),
-          "bad": FakeModel(logit_noise=1.0, flip_rate=0.3, seed=3, decode_tok_s=30.0)}
+          "bad": FakeModel(logit_noise=0.5, flip_rate=0.3, seed=3, decode_tok_s=30.0)}
 
 
 def write_gate(directory: Path, edit: Callable[[str], str] = lambda text: text, task: bool = True) -> Path:
