@@ -372,7 +372,7 @@ def _ln(value: float) -> float:
 
 
 # Below this same top a candidate is no build of the baseline but another model or tokenizer (an addition):
-# far under any limit (Q8_0 keeps 0.977, the demo's planted regressions 0.97), and where the top-k sets
+# far under any limit (Q8_0 keeps 0.977, the demo's planted regressions 0.81 or more), and where the top-k sets
 # share few ids the KL bound, the PPL ratio's SE and RMS dp may not show it.
 MIN_SANE_SAME_TOP = 0.5
 SANITY_FLOOR = "sanity floor"  # the outcome's bound_by where it failed the rule
