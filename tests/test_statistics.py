@@ -252,12 +252,12 @@ def test_summary_statistics_and_percentile_labels():
 
 
 def test_standard_errors_of_the_gated_metrics_match_a_bootstrap():
-    # The delta-method SEs (RMS Δp, PPL ratio) against the spread of the metric itself
-    # over bootstrap resamples of positions: the gate's limit_se leans on them.
+    # The SEs the rules use (RMS Δp by the delta method, the mean log-ratio behind the PPL ratio)
+    # against the spread of the metric itself over bootstrap resamples of positions: limit_se leans on them.
     _, _, base, cand = pair(n=4000, seed=5, keep_full=True)
     result = compare_logprobs(base, cand)
     rng = np.random.default_rng(0)
-    samples = {"same_top": [], "rms_dp": [], "ppl_ratio": [], "mean_kl": []}
+    samples = {"same_top": [], "rms_dp": [], "ln_ppl_ratio": [], "mean_kl": []}  # ppl_ratio is judged in logs
     for _ in range(300):
         rows = rng.integers(0, 4000, 4000)
         resampled = compare_logprobs(*(LogprobRun(r.real_logprob[rows], r.top_ids[rows], r.top_logprobs[rows],
@@ -265,7 +265,8 @@ def test_standard_errors_of_the_gated_metrics_match_a_bootstrap():
         for metric, values in samples.items():
             values.append(getattr(resampled, metric))
     for metric, values in samples.items():
-        assert getattr(result, BY_NAME[metric].se_field) == pytest.approx(np.std(values), rel=0.2), metric
+        se_field = BY_NAME[metric.removeprefix("ln_")].se_field
+        assert getattr(result, se_field) == pytest.approx(np.std(values), rel=0.2), metric
 
 
 def zeros_run(n: int = 4, k: int = 3, **extra) -> LogprobRun:
