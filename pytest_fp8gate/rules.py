@@ -364,7 +364,8 @@ def ratio_at_most(
     if k_se > 0:
         rows += [(f"SE of ln candidate (fails beyond {k_se:g} SE)", measured_se),
                  (f"limit x exp({k_se:g} SE)", allowed)]
-    return _outcome(metric_name, measured, limit, allowed - measured, rows, logs.limit_key, logs.figures)
+    figures = {} if floor_value is None else {"noise_floor": floor_value}  # as a ratio, not its log
+    return _outcome(metric_name, measured, limit, allowed - measured, rows, logs.limit_key, figures)
 
 
 def _ln(value: float) -> float:
