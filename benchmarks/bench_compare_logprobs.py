@@ -52,7 +52,8 @@ def as_lists(run: LogprobRun, n: int) -> tuple[list, list, list]:
 def python_loop(base: tuple[list, list, list], cand: tuple[list, list, list]) -> dict[str, float]:
     """The same numbers, one position at a time, on plain lists and dicts."""
     same = sq_dp = sum_dp = ln_ratio = kl_sum = 0.0
-    eps_floor = K * 2.220446049250313e-16
+    floor = (K + 1) * 2.220446049250313e-16
+    rounding = 1e-5  # logprobs._REPORTED_ROUNDING
     for b_real, b_ids, b_lp, c_real, c_ids, c_lp in zip(*base, *cand):
         same += b_ids[0] == c_ids[0]
         dp = math.exp(c_real) - math.exp(b_real)
@@ -60,7 +61,8 @@ def python_loop(base: tuple[list, list, list], cand: tuple[list, list, list]) ->
         sq_dp += dp * dp
         ln_ratio += b_real - c_real
         cand_by_id = dict(zip(c_ids, c_lp))
-        kl = p_known = q_known = 0.0
+        kl = p_known = q_known = p_unreported = 0.0
+        unreported = 0
         for token, lp in zip(b_ids, b_lp):
             if token in cand_by_id:
                 lq = cand_by_id[token]
@@ -68,11 +70,23 @@ def python_loop(base: tuple[list, list, list], cand: tuple[list, list, list]) ->
                 kl += p * (lp - lq)
                 p_known += p
                 q_known += math.exp(lq)
-        p_rest = min(max(1.0 - p_known, 0.0), 1.0)
-        q_rest = min(max(1.0 - q_known, eps_floor), 1.0)
-        if p_rest > 0:
-            kl += p_rest * math.log(p_rest / q_rest)
-        kl_sum += max(kl, 0.0)
+            else:
+                p_unreported += math.exp(lp)
+                unreported += 1
+        p_other = min(max(1.0 - p_known - p_unreported, 0.0), 1.0)
+        s = min(max(1.0 - q_known + floor, floor), 1.0)
+        p_rest = p_unreported + p_other
+        rest = p_rest * math.log(p_rest / s) if p_rest > 0 else 0.0
+        if unreported:
+            # The candidate's mass on the baseline ids it did not report: at most its smallest reported
+            # probability each and its unreported mass in all; the bound takes the least KL it allows.
+            reported = [math.exp(lq) for lq in c_lp]
+            cap = min(unreported * min(reported) * (1 + rounding), 1.0 - sum(reported) * (1 - rounding), s)
+            cap = max(cap, floor)
+            if s * p_unreported > cap * p_rest:
+                rest = p_unreported * math.log(p_unreported / cap)
+                rest += p_other * math.log(p_other / (s - cap)) if p_other > 0 else 0.0
+        kl_sum += max(kl + rest, 0.0)
     n = len(base[0])
     return {
         "same_top": same / n,

@@ -35,9 +35,9 @@ def test_each_row_names_what_judges_it_and_its_limit() -> None:
             # A decode rule with a bound: the probability check's figure of its name, on generated positions.
             assert rule.kind in ("probability", "decode") and rule.judge is None, rule
             metric = rule.name.removeprefix(rules.DECODE_PREFIX)
-            assert metric in comparison_fields and rule.bound in (rules.at_least, rules.at_most), rule
-            se = getattr(LogprobComparison, rule.se_field or "", None)
-            assert rule.se_field in comparison_fields or isinstance(se, property), rule
+            assert metric in comparison_fields and rule.bound in (rules.at_least, rules.at_most,
+                                                                  rules.ratio_at_most), rule
+            assert rule.se_field in comparison_fields, rule
         else:  # decided by its judge, on the evidence Gate's method of its name gathers (Gate._judges)
             assert callable(rule.judge) and callable(getattr(Gate, rule.name)), rule
     assert config_module._PROBABILITY_METRIC_LIMITS == tuple(
