@@ -41,7 +41,8 @@ class Gate:
                                                               rules.SPEED: self.speed, rules.LOAD: self.load,
                                                               rules.DECODE_GAP: self.decode_gap,
                                                               rules.LENGTH_DRIFT: self.length_drift,
-                                                              rules.INVALID_RATE: self.invalid_rate}
+                                                              rules.INVALID_RATE: self.invalid_rate,
+                                                              rules.RECOVERY: self.recovery}
 
     @property
     def config(self) -> GateConfig:
@@ -150,6 +151,30 @@ class Gate:
         notes += [f"noise pass {label}: accuracy {c.accuracy_cand:.4f}" for label, c in floors.items()]
         return Verdict(case, outcome, self._answer_details(comparison, floors), tuple(notes),
                        limit=self._task_limit(task, outcome.limit_key, getattr(task.limits, outcome.limit_key)),
+                       recompute=self._flips_command(case, task))
+
+    def recovery(self, case: Case) -> Verdict:
+        task = self._task(case.task)
+        min_recovery = task.limits.min_recovery
+        assert min_recovery is not None  # the rule is collected only where it is set
+        comparison, floors = self.answer_comparison(case)
+        judge = rules.BY_NAME[rules.RECOVERY].judge
+        assert judge is not None
+        both_right = comparison.accuracy_base - comparison.right_to_wrong / comparison.questions
+        outcome = judge(comparison.accuracy_base, comparison.accuracy_cand, both_right, comparison.questions,
+                        min_recovery, k=task.limits.accuracy_se)
+        se = outcome.figures["recovery_se"]
+        notes = [f"recovery = candidate / baseline accuracy = {outcome.measured:.4f}, 95% interval "
+                 f"[{outcome.measured - 1.96 * se:.4f}, {outcome.measured + 1.96 * se:.4f}] by the delta method on "
+                 f"the {comparison.questions} paired answers (an addition); fails when recovery + "
+                 f"{task.limits.accuracy_se:g} SE (tasks.limits.accuracy_se) < {min_recovery:g}, beside the "
+                 "accuracy rule, not instead of it",
+                 "llm-compressor's tests pass a point recovery >= recovery_threshold (0.95, 0.94 for NVFP4) per "
+                 "metric; MLPerf asks 99% of the reference"]
+        notes += [f"noise pass {label}: recovery {c.accuracy_cand / c.accuracy_base:.4f}"
+                  for label, c in floors.items()]
+        return Verdict(case, outcome, self._answer_details(comparison, floors), tuple(notes),
+                       limit=self._task_limit(task, outcome.limit_key, min_recovery),
                        recompute=self._flips_command(case, task))
 
     def flips(self, case: Case) -> Verdict:

@@ -128,6 +128,8 @@ class TaskLimits:
     # Optional output sanity rules (None: not collected): |mean length change| and invalid-answer rise.
     max_length_drift: float | None = None
     max_invalid_increase: float | None = None
+    # Optional: candidate over baseline accuracy at least this (llm-compressor's recovery_threshold, 0.95).
+    min_recovery: float | None = None
 
 
 @dataclass(frozen=True)
