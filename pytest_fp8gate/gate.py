@@ -42,7 +42,8 @@ class Gate:
                                                               rules.DECODE_GAP: self.decode_gap,
                                                               rules.LENGTH_DRIFT: self.length_drift,
                                                               rules.INVALID_RATE: self.invalid_rate,
-                                                              rules.RECOVERY: self.recovery}
+                                                              rules.RECOVERY: self.recovery,
+                                                              rules.TRUNCATION: self.truncation}
 
     @property
     def config(self) -> GateConfig:
@@ -230,6 +231,9 @@ class Gate:
 
     def invalid_rate(self, case: Case) -> Verdict:
         return generation_verdicts.invalid_rate_verdict(self.comparisons, self._task(case.task), case)
+
+    def truncation(self, case: Case) -> Verdict:
+        return generation_verdicts.truncation_verdict(self.comparisons, self._task(case.task), case)
 
     # ---- speed last ----------------------------------------------------------
 

@@ -57,6 +57,8 @@ LOAD = "load"
 LENGTH_DRIFT, INVALID_RATE = "length_drift", "invalid_rate"
 # Optional: candidate over baseline accuracy (llm-compressor's recovery, MLPerf's share of the reference).
 RECOVERY = "recovery"
+# Optional: the share of answers ended by the token budget (finish_reason "length").
+TRUNCATION = "truncation"
 # The decode phase's rules (generation_verdicts.py gathers their evidence); DECODE_GAP is the candidate's own
 # decode-vs-prefill gap, the others compare it with the baseline on the baseline's continuations.
 DECODE_PREFIX, DECODE_GAP = "decode_", "decode_gap"
@@ -484,6 +486,32 @@ def invalid_rate_within(base_rate: float, cand_rate: float, floor_rate: float | 
                     figures, bound_by="noise floor" if floor_rise > max_increase else None)
 
 
+def truncation_within(base_rate: float, cand_rate: float, floor_rate: float | None, questions: int,
+                      max_increase: float, k: float, cut_only_cand: int = 0, cut_only_base: int = 0) -> RuleOutcome:
+    """The candidate's share of answers ended by length at most the baseline's plus ``max_increase``
+    (or plus the worst noise pass's own rise, if larger), judged with both counts' uncertainty as the
+    flip rule's SE margin is: it fails only when the candidate's rate exceeds that limit by more than
+    k x sqrt(SE_c^2 + SE_b^2), each SE the article's sqrt(p(1-p)/n), combined as if independent (the
+    answers are paired, and pairing would only shrink it). ``cut_only_*``: the discordant questions."""
+    if questions <= 0:
+        raise ValueError(f"questions must be positive, got {questions}")
+    floor_rise = (floor_rate - base_rate) if floor_rate is not None else 0.0
+    allowance = max(max_increase, floor_rise)
+    limit = base_rate + allowance
+    se = math.hypot(binomial_se(cand_rate, questions), binomial_se(base_rate, questions))
+    rows: list[Row] = [("questions", questions), ("baseline cut by length", base_rate)]
+    figures = {"baseline_rate": base_rate, "allowed_rise": allowance, "cut_only_candidate": cut_only_cand,
+               "cut_only_baseline": cut_only_base}
+    if floor_rate is not None:
+        rows.append(("noise floor cut by length", floor_rate))
+        figures["noise_floor"] = floor_rate
+    rows += [("allowed rise", allowance), ("candidate cut by length", cand_rate),
+             ("cut in the candidate only", cut_only_cand), ("cut in the baseline only", cut_only_base),
+             (f"SE of the two rates (fails beyond {k:g} SE)", se)]
+    return _outcome(TRUNCATION, cand_rate, limit, limit - cand_rate + k * se, rows, "max_truncation_increase",
+                    figures, bound_by="noise floor" if floor_rise > max_increase else None)
+
+
 @dataclass(frozen=True)
 class LoadLevel:
     """One concurrency level of a served model's load measurement (load.py measures it): its wall
@@ -610,6 +638,7 @@ RULES: tuple[Rule, ...] = (
     Rule(LENGTH_DRIFT, "test_output_length_drift", "task", "max_length_drift", judge=length_drift_within),
     Rule(INVALID_RATE, "test_invalid_rate", "task", "max_invalid_increase", judge=invalid_rate_within),
     Rule(RECOVERY, "test_recovery", "task", "min_recovery", judge=recovery_within),
+    Rule(TRUNCATION, "test_truncation", "task", "max_truncation_increase", judge=truncation_within),
 )
 BY_NAME = {rule.name: rule for rule in RULES}
 BY_TEST = {rule.test: rule for rule in RULES}

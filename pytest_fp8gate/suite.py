@@ -76,3 +76,7 @@ def test_invalid_rate(fp8gate: GateSession, case, request: pytest.FixtureRequest
 
 def test_recovery(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
     fp8gate.enforce(case, request.node)
+
+
+def test_truncation(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
