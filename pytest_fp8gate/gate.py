@@ -372,7 +372,7 @@ def _flip_rule_note(limits: TaskLimits, floor_flips: int, questions: int, outcom
 
 
 def _roofline_inputs(model: ModelResult, bandwidth_gbps: float, context_tokens: int,
-                     batch: int) -> tuple[Path, dict[str, Any]]:
+                     batch: int = 1) -> tuple[Path, dict[str, Any]]:
     """The weights and estimate_from_path arguments of the model's decode roofline.
 
     With tensor parallelism each GPU reads its shard of every token's bytes.
@@ -388,7 +388,7 @@ def _roofline_inputs(model: ModelResult, bandwidth_gbps: float, context_tokens: 
 
 
 def _roofline(model: ModelResult, bandwidth_gbps: float, context_tokens: int,
-              batch: int) -> roofline.RooflineEstimate:
+              batch: int = 1) -> roofline.RooflineEstimate:
     weights, arguments = _roofline_inputs(model, bandwidth_gbps, context_tokens, batch)
     try:
         return roofline.estimate_from_path(weights, **arguments)
