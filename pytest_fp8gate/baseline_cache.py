@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import provenance
+from . import provenance, stack
 from .atomic import atomic_open, atomic_write_text, fsync_directory
 from .decode_phase import DecodeRun
 from .dumps import read_logprob_dump
@@ -62,6 +62,8 @@ def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, An
                    **({"env_sha256": _env_hash(config.baseline.env)} if config.baseline.env else {})},
         "versions": environment["versions"],
         "devices": devices,
+        # What picks the kernels and backends (stack.py): another one measures the baseline again.
+        "stack": stack.selection_inputs(),
         "noise_passes": list(config.noise.passes),
         "needs": {"probabilities": needs.probabilities, "tasks": sorted(needs.tasks), "speed": needs.speed},
         "probabilities": None if probabilities is None or not needs.probabilities else {

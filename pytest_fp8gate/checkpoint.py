@@ -71,6 +71,38 @@ def read_header(path: Path) -> dict[str, dict]:
 
 
 
+# Names vLLM loads as an attention layer's KV-cache scales (weight_utils.maybe_remap_kv_scale_name).
+_KV_SCALE_ENDINGS = (".k_scale", ".v_scale", ".kv_scale", ".k_cache.scale", ".v_cache.scale")
+_SCALE_DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}
+
+
+def kv_cache_scales(model_dir: Path) -> list[float]:
+    """The values of a checkpoint's stored KV-cache scales (k_scale, v_scale, ...), read from the
+    safetensors data; [] when it stores none. BF16 scales are widened to float32."""
+    import numpy as np
+
+    values: list[float] = []
+    for shard in safetensors_files(model_dir):
+        header = read_header(shard)
+        scales = {name: info for name, info in header.items() if name.endswith(_KV_SCALE_ENDINGS)}
+        if not scales:
+            continue
+        with shard.open("rb") as handle:
+            start = 8 + int.from_bytes(handle.read(8), "little")
+            for name, info in sorted(scales.items()):
+                begin, end = info["data_offsets"]
+                handle.seek(start + begin)
+                raw = handle.read(end - begin)
+                if info["dtype"] == "BF16":
+                    array = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
+                elif info["dtype"] in _SCALE_DTYPES:
+                    array = np.frombuffer(raw, _SCALE_DTYPES[info["dtype"]])
+                else:
+                    raise RooflineError(f"{shard}: KV-cache scale {name!r} has dtype {info['dtype']!r}")
+                values += [float(v) for v in array.ravel()]
+    return values
+
+
 def weights_dir(model: str) -> Path:
     """A local checkpoint directory, or the Hugging Face cache snapshot the engine loaded."""
     path = Path(model)

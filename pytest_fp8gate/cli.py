@@ -186,6 +186,8 @@ def _add_roofline(subparsers: Any) -> None:
         "--context", type=int, default=0, help="Context tokens whose KV cache is read per token"
     )
     parser.add_argument("--kv-cache-dtype", default=None, help="vLLM kv_cache_dtype, e.g. fp8 (default: the model's)")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="Sequences decoded together: each one's KV cache, and nEff experts of a MoE, per step")
     _output_options(parser)
     parser.set_defaults(run=_run_roofline)
 
@@ -202,6 +204,7 @@ def _run_roofline(args: argparse.Namespace) -> int:
         bandwidth_gbps=args.bandwidth_gbps,
         context_tokens=args.context,
         kv_cache_dtype=args.kv_cache_dtype,
+        batch=args.batch,
     )
     payload = estimate.as_dict()
     emit(args, payload, [(key, _plain(value)) for key, value in payload.items()])

@@ -12,7 +12,7 @@ from .spec import TaskSpec
 
 # estimate_from_path's arguments as `fp8gate roofline` options
 _ROOFLINE_OPTIONS = {"quantization": "--quantization", "bandwidth_gbps": "--bandwidth-gbps",
-                     "context_tokens": "--context", "kv_cache_dtype": "--kv-cache-dtype"}
+                     "context_tokens": "--context", "kv_cache_dtype": "--kv-cache-dtype", "batch": "--batch"}
 
 
 def fp8gate_command(*words: Any) -> str:

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from .answers import AnswerComparison, AnswerRecord, compare_answers, invalid_rate, length_drift
 from .decode_phase import DecodeComparison, DecodeRun, compare_decode
-from .dumps import read_lm_eval_generations
+from .dumps import CUT_BY_LENGTH, read_finish_reasons, read_lm_eval_generations
 from .errors import ComparisonError, DumpFormatError, GateError
 from .logprobs import LogprobComparison, LogprobRun, compare_logprobs
 from .record import BaselineRecord, DecodeResult, ModelResult, PassResult
@@ -139,6 +139,30 @@ class Comparisons:
         floors = {label: invalid_rate(self._read(run, task))
                   for label, run in self.measured.noise().items() if task.name in run.samples}
         return invalid_rate(base), invalid_rate(cand), floors, len(cand)
+
+    def truncations(self, candidate: str, task: TaskSpec) -> tuple[set[Hashable], set[Hashable],
+                                                                    dict[str, set[Hashable]], int]:
+        """The questions whose answer the token budget ended (finish_reason "length"): the baseline's,
+        the candidate's, each noise pass's, and the number of questions."""
+        base = self._cut("baseline", self.measured.baseline().main, task)
+        cand = self._cut(f"candidate {candidate}", self.measured.candidate(candidate).main, task)
+        floors = {label: self._cut(f"noise pass {label}", run, task)[0]
+                  for label, run in self.measured.noise().items() if task.name in run.samples}
+        return base[0], cand[0], floors, cand[1]
+
+    def _cut(self, who: str, run: PassResult, task: TaskSpec) -> tuple[set[Hashable], int]:
+        path = run.samples[task.name]
+        try:
+            reasons = read_finish_reasons(path, task.filter)
+        except DumpFormatError as err:
+            raise GateError(f"{who} on {task.name}: cannot count answers cut by length: {err}") from None
+        unknown = [doc for doc, reason in reasons.items() if reason is None or reason == [None]]
+        if unknown:
+            raise GateError(f"{who} on {task.name}: the engine reported no finish_reason for {len(unknown)} of "
+                            f"{len(reasons)} answers (doc {unknown[0]!r}, {path}): cannot count answers cut by length")
+        cut = {doc for doc, reason in reasons.items()
+               if reason == CUT_BY_LENGTH or (isinstance(reason, list) and CUT_BY_LENGTH in reason)}
+        return cut, len(reasons)
 
     def length_drifts(self, candidate: str, task: TaskSpec) -> tuple[float, dict[str, float]]:
         """The candidate's mean output-length drift against the baseline, and each noise pass's."""

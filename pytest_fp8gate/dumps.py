@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ __all__ = [
     "SAMPLES_RUN_ID",
     "DumpFormatError",
     "read_lm_eval_generations",
+    "read_finish_reasons",
     "dump_run_id",
     "read_lm_eval_samples",
     "read_logprob_dump",
@@ -52,6 +53,9 @@ _SAMPLES_FORMAT = "lm-eval --log_samples JSONL rows"
 # field), so that files of two runs mixed in one artifacts directory are never paired.
 RUN_ID = "run_id"
 SAMPLES_RUN_ID = "fp8gate_run_id"
+# Why each generated answer ended (vLLM's finish_reason), the gate's field in a sample row.
+FINISH_REASON = "finish_reason"
+CUT_BY_LENGTH = "length"  # the finish_reason of an answer that max_tokens ended
 
 
 def write_logprob_dump(
@@ -215,19 +219,37 @@ def read_lm_eval_samples(
     return records
 
 
-def read_lm_eval_generations(path: PathLike, filter_name: str) -> dict[Any, str]:
-    """The raw generated text (``resps``, before any filter) of each doc under one filter."""
-    generations = {}
+def _rows_under(path: PathLike, filter_name: str) -> Iterator[dict[str, Any]]:
     with open(path, "rb") as handle:
         for line in handle:
             row = json.loads(line) if line.strip() else None
             if isinstance(row, dict) and row.get("filter") == filter_name:
-                resps = row.get("resps")
-                # One request per doc for generate_until tasks: [[text]].
-                while isinstance(resps, list) and len(resps) == 1:
-                    resps = resps[0]
-                generations[row.get("doc_id")] = resps if isinstance(resps, str) else json.dumps(resps)
+                yield row
+
+
+def read_lm_eval_generations(path: PathLike, filter_name: str) -> dict[Any, str]:
+    """The raw generated text (``resps``, before any filter) of each doc under one filter."""
+    generations = {}
+    for row in _rows_under(path, filter_name):
+        resps = row.get("resps")
+        # One request per doc for generate_until tasks: [[text]].
+        while isinstance(resps, list) and len(resps) == 1:
+            resps = resps[0]
+        generations[row.get("doc_id")] = resps if isinstance(resps, str) else json.dumps(resps)
     return generations
+
+
+def read_finish_reasons(path: PathLike, filter_name: str) -> dict[Any, Any]:
+    """Each doc's ``finish_reason`` under one filter, as the gate wrote it beside lm-eval's row (a
+    string, or a list for a doc of several requests); DumpFormatError when a row has none."""
+    reasons = {}
+    for row in _rows_under(path, filter_name):
+        if FINISH_REASON not in row:
+            raise DumpFormatError(path, f"{_SAMPLES_FORMAT} with a {FINISH_REASON!r} field (doc "
+                                        f"{row.get('doc_id')!r} has none: written before the gate recorded it, "
+                                        "or by another harness)")
+        reasons[row.get("doc_id")] = row[FINISH_REASON]
+    return reasons
 
 
 def _answer_record(

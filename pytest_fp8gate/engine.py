@@ -90,6 +90,7 @@ class Latency:
 class Generation:
     text: str
     token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # vLLM's: "stop" (a stop string or EOS), "length" (max_tokens), ...
 
 
 class Engine:
@@ -254,7 +255,8 @@ class Engine:
 
         outputs = self._generate(prompts, lambda i: SamplingParams(
             temperature=0.0, max_tokens=max_tokens[i], stop=list(stops[i]) or None), layout)
-        return [Generation(out.outputs[0].text, tuple(out.outputs[0].token_ids)) for out in outputs]
+        return [Generation(out.outputs[0].text, tuple(out.outputs[0].token_ids), out.outputs[0].finish_reason)
+                for out in outputs]
 
     def generate_with_logprobs(
         self, prompts: Sequence[Sequence[int]], max_tokens: int, top_k: int, full_vocab: bool,

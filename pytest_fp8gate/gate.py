@@ -41,7 +41,9 @@ class Gate:
                                                               rules.SPEED: self.speed, rules.LOAD: self.load,
                                                               rules.DECODE_GAP: self.decode_gap,
                                                               rules.LENGTH_DRIFT: self.length_drift,
-                                                              rules.INVALID_RATE: self.invalid_rate}
+                                                              rules.INVALID_RATE: self.invalid_rate,
+                                                              rules.RECOVERY: self.recovery,
+                                                              rules.TRUNCATION: self.truncation}
 
     @property
     def config(self) -> GateConfig:
@@ -154,6 +156,30 @@ class Gate:
                        limit=self._task_limit(task, outcome.limit_key, getattr(task.limits, outcome.limit_key)),
                        recompute=self._flips_command(case, task))
 
+    def recovery(self, case: Case) -> Verdict:
+        task = self._task(case.task)
+        min_recovery = task.limits.min_recovery
+        assert min_recovery is not None  # the rule is collected only where it is set
+        comparison, floors = self.answer_comparison(case)
+        judge = rules.BY_NAME[rules.RECOVERY].judge
+        assert judge is not None
+        both_right = comparison.accuracy_base - comparison.right_to_wrong / comparison.questions
+        outcome = judge(comparison.accuracy_base, comparison.accuracy_cand, both_right, comparison.questions,
+                        min_recovery, k=task.limits.accuracy_se)
+        se = outcome.figures["recovery_se"]
+        notes = [f"recovery = candidate / baseline accuracy = {outcome.measured:.4f}, 95% interval "
+                 f"[{outcome.measured - 1.96 * se:.4f}, {outcome.measured + 1.96 * se:.4f}] by the delta method on "
+                 f"the {comparison.questions} paired answers (an addition); fails when recovery + "
+                 f"{task.limits.accuracy_se:g} SE (tasks.limits.accuracy_se) < {min_recovery:g}, beside the "
+                 "accuracy rule, not instead of it",
+                 "llm-compressor's tests pass a point recovery >= recovery_threshold (0.95, 0.94 for NVFP4) per "
+                 "metric; MLPerf asks 99% of the reference"]
+        notes += [f"noise pass {label}: recovery {c.accuracy_cand / c.accuracy_base:.4f}"
+                  for label, c in floors.items()]
+        return Verdict(case, outcome, self._answer_details(comparison, floors), tuple(notes),
+                       limit=self._task_limit(task, outcome.limit_key, min_recovery),
+                       recompute=self._flips_command(case, task))
+
     def flips(self, case: Case) -> Verdict:
         task = self._task(case.task)
         comparison, floors = self.answer_comparison(case)
@@ -208,6 +234,9 @@ class Gate:
     def invalid_rate(self, case: Case) -> Verdict:
         return generation_verdicts.invalid_rate_verdict(self.comparisons, self._task(case.task), case)
 
+    def truncation(self, case: Case) -> Verdict:
+        return generation_verdicts.truncation_verdict(self.comparisons, self._task(case.task), case)
+
     # ---- speed last ----------------------------------------------------------
 
     def speed(self, case: Case) -> Verdict:
@@ -223,8 +252,8 @@ class Gate:
         gpu_name, bandwidth = found
         assert result.latency is not None and base.latency is not None
         context = roofline.decode_context_tokens(speed.input_len, speed.output_len)
-        estimates = {name: _roofline(model, bandwidth, context) for name, model in (("candidate", result),
-                                                                                     ("baseline", base))}
+        estimates = {name: _roofline(model, bandwidth, context, speed.batch_size)
+                     for name, model in (("candidate", result), ("baseline", base))}
         cand = rules.DecodeSpeed(result.latency.decode_tok_s, _ceiling(estimates["candidate"]))
         base_speed = rules.DecodeSpeed(base.latency.decode_tok_s, _ceiling(estimates["baseline"]))
         _refuse_above_ceiling({result.spec.name: cand, base.spec.name: base_speed}, bandwidth)
@@ -235,8 +264,8 @@ class Gate:
                         overhead_bound_below=speed.overhead_bound_below,
                         min_ratio_overhead_bound=speed.min_ratio_overhead_bound)
         notes = [f"{gpu_name}: {bandwidth:g} GB/s per GPU; bytes read per decoded token: "
-                 + "; ".join(f"{name} {e.bytes_per_token / 1e9:.3f} GB over {_gpus(e, bandwidth):g} GPU(s)"
-                             for name, e in estimates.items())
+                 + "; ".join(f"{name} {e.bytes_per_step / e.batch / 1e9:.3f} GB over {_gpus(e, bandwidth):g} GPU(s)"
+                             + _experts_read(e) for name, e in estimates.items())
                  + f" (weights, and the KV cache at the decode's mean context of {context} tokens: "
                  f"{speed.input_len} in, {speed.output_len} out)",
                  _speed_judgement(speed, outcome, {"candidate": cand, "baseline": base_speed}),
@@ -252,7 +281,7 @@ class Gate:
                    "baseline_latency": base.latency.as_dict()}
         key = outcome.limit_key
         return Verdict(case, outcome, details, tuple(notes), limit=self._limit(f"speed.{key}", getattr(speed, key)),
-                       recompute=roofline_command(*_roofline_inputs(result, bandwidth, context)))
+                       recompute=roofline_command(*_roofline_inputs(result, bandwidth, context, speed.batch_size)))
 
     # ---- speed under load (issue 20): served models ----------------------------
 
@@ -275,11 +304,31 @@ class Gate:
                  "level's wall time; TPOT per request = (last - first token) / (tokens - 1)",
                  f"KV-cache capacity (from the server): candidate {result.kv_cache_tokens} tokens, "
                  f"baseline {base.kv_cache_tokens} tokens"]
+        notes += _load_roofline(load, {"candidate": result, "baseline": base})
         details = {"levels": [level.as_dict() for level in result.load],
                    "baseline_levels": [level.as_dict() for level in base.load],
                    "kv_cache_tokens": result.kv_cache_tokens, "baseline_kv_cache_tokens": base.kv_cache_tokens}
         key = outcome.limit_key
         return Verdict(case, outcome, details, tuple(notes), limit=self._limit(f"load.{key}", getattr(load, key)))
+
+
+def _load_roofline(load: LoadSpec, models: dict[str, ModelResult]) -> list[str]:
+    """A mixture of experts' bytes per decode step at each level: nEff experts at concurrency B."""
+    context = roofline.decode_context_tokens(load.input_len, load.output_len)
+    lines = []
+    for name, model in models.items():
+        try:
+            steps = [_roofline(model, 0.0, context, level) for level in load.concurrencies]
+        except GateError as err:
+            lines.append(f"{err} (the bytes per step at each level are not shown)")
+            continue
+        if steps[0].experts:
+            lines.append(f"{name} roofline: " + "; ".join(
+                f"c={e.batch}: {e.bytes_per_step / 1e9:.3g} GB a decode step, {e.active_experts:.3g} of "
+                f"{e.experts} experts a MoE layer" for e in steps)
+                + f" (nEff = N (1 - ((N - k) / N)^B), k = {steps[0].experts_per_token}: the expected distinct experts "
+                f"of B tokens routed uniformly; KV cache at the mean context of {context} tokens)")
+    return lines
 
 
 def _load_judgement(load: LoadSpec, outcome: RuleOutcome) -> str:
@@ -324,7 +373,8 @@ def _flip_rule_note(limits: TaskLimits, floor_flips: int, questions: int, outcom
             f"rule out a candidate that flips less")
 
 
-def _roofline_inputs(model: ModelResult, bandwidth_gbps: float, context_tokens: int) -> tuple[Path, dict[str, Any]]:
+def _roofline_inputs(model: ModelResult, bandwidth_gbps: float, context_tokens: int,
+                     batch: int = 1) -> tuple[Path, dict[str, Any]]:
     """The weights and estimate_from_path arguments of the model's decode roofline.
 
     With tensor parallelism each GPU reads its shard of every token's bytes.
@@ -335,15 +385,25 @@ def _roofline_inputs(model: ModelResult, bandwidth_gbps: float, context_tokens: 
     return weights, {"quantization": model.spec.quantization,
                                            "bandwidth_gbps": bandwidth_gbps * parallel,
                                            "context_tokens": context_tokens,
-                                           "kv_cache_dtype": model.spec.engine.get("kv_cache_dtype")}
+                                           "kv_cache_dtype": model.spec.engine.get("kv_cache_dtype"),
+                                           "batch": batch}
 
 
-def _roofline(model: ModelResult, bandwidth_gbps: float, context_tokens: int) -> roofline.RooflineEstimate:
-    weights, arguments = _roofline_inputs(model, bandwidth_gbps, context_tokens)
+def _roofline(model: ModelResult, bandwidth_gbps: float, context_tokens: int,
+              batch: int = 1) -> roofline.RooflineEstimate:
+    weights, arguments = _roofline_inputs(model, bandwidth_gbps, context_tokens, batch)
     try:
         return roofline.estimate_from_path(weights, **arguments)
     except RooflineError as err:
         raise GateError(f"speed: cannot compute the roofline of {model.spec.name}: {err}") from None
+
+
+def _experts_read(estimate: roofline.RooflineEstimate) -> str:
+    """How many routed experts the step's bytes count, for a mixture of experts."""
+    if not estimate.experts:
+        return ""
+    return (f" ({estimate.active_experts:.3g} of {estimate.experts} experts a MoE layer at batch {estimate.batch}: "
+            f"nEff = N (1 - ((N - k) / N)^B), k = {estimate.experts_per_token}, uniform routing)")
 
 
 def _gpus(estimate: roofline.RooflineEstimate, bandwidth_gbps: float) -> float:
@@ -376,8 +436,8 @@ def _refuse_above_ceiling(speeds: Mapping[str, rules.DecodeSpeed], bandwidth: fl
             raise GateError(
                 f"speed: {name} decodes {speed.tok_s:.1f} tok/s, {speed.share:.2f} x its roofline ceiling of "
                 f"{speed.ceiling_tok_s:.1f} tok/s at {bandwidth:g} GB/s, which no GPU can do: the byte model "
-                "counts more bytes per token than the model reads (a MoE checkpoint counted with every expert "
-                "instead of the active ones, say) or the bandwidth figure is too low (speed.gpu, "
+                "counts more bytes per token than the model reads (a MoE whose router touches fewer experts than "
+                "the uniform model's, say) or the bandwidth figure is too low (speed.gpu, "
                 "speed.bandwidth_gbps); refusing a speed verdict from either")
 
 

@@ -163,6 +163,31 @@ def invalid_rate_verdict(comparisons: Comparisons, task: TaskSpec, case: Case) -
                    tuple(notes), limit=_task_limit(comparisons, task, outcome.limit_key, max_increase))
 
 
+def truncation_verdict(comparisons: Comparisons, task: TaskSpec, case: Case) -> Verdict:
+    """The share of answers the token budget ended (finish_reason "length"), against the baseline's."""
+    max_increase = task.limits.max_truncation_increase
+    assert max_increase is not None  # the rule is collected only where it is set
+    base, cand, floors, questions = comparisons.truncations(case.candidate, task)
+    judge = rules.BY_NAME[rules.TRUNCATION].judge
+    assert judge is not None
+    worst = max((len(cut) / questions for cut in floors.values()), default=None)
+    outcome = judge(len(base) / questions, len(cand) / questions, worst, questions, max_increase,
+                    task.limits.accuracy_se, len(cand - base), len(base - cand))
+    budget = f"max_gen_toks = {task.max_gen_toks}" if task.max_gen_toks else "the task's max_gen_toks"
+    notes = [f"answers ended by the token budget ({budget}; vLLM's finish_reason \"length\"): baseline "
+             f"{len(base)} of {questions}, candidate {len(cand)} ({len(cand - base)} cut in the candidate only); "
+             "a cut answer is scored as written, so an answer that grew past the budget reads as wrong"]
+    notes += [f"noise pass {label}: {len(cut)} cut" for label, cut in floors.items()]
+    if outcome.bound_by is not None:
+        notes.append(f"the allowed rise is the {outcome.bound_by}'s own rise, above max_truncation_increase")
+    examples = tuple(f"    doc {doc}: cut in the candidate, not in the baseline"
+                     for doc in sorted(cand - base, key=str)[:5])
+    return Verdict(case, outcome, {"baseline_cut": len(base), "candidate_cut": len(cand), "questions": questions,
+                                   "noise_floor": {label: len(cut) for label, cut in floors.items()}},
+                   tuple(notes), examples,
+                   limit=_task_limit(comparisons, task, outcome.limit_key, max_increase))
+
+
 def candidate_noise_notes(comparisons: Comparisons, candidate: str) -> list[str]:
     """The candidate against itself in another batch order ([noise] candidate_passes), beside the baseline's floor."""
     floors: dict[str, LogprobComparison] = {}

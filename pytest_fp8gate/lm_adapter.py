@@ -15,7 +15,7 @@ from typing import Any
 from lm_eval.api.model import LM
 
 from .atomic import atomic_write_text
-from .dumps import SAMPLES_RUN_ID, write_lm_eval_samples
+from .dumps import FINISH_REASON, SAMPLES_RUN_ID, write_lm_eval_samples
 from .engine import ALL_AT_ONCE, BatchLayout, Engine
 from .spec import TaskSpec
 
@@ -53,6 +53,8 @@ class EngineLM(LM):
         self.add_bos_token = add_bos_token
         self.max_gen_toks = max_gen_toks
         self.layout = layout
+        # Why each generated answer ended, by (task, doc_id), in request order: written into the samples.
+        self.finish_reasons: dict[tuple[Any, Any], list[str | None]] = {}
 
     @property
     def tokenizer_name(self) -> str:
@@ -84,6 +86,9 @@ class EngineLM(LM):
             max_tokens.append(generation_budget(kwargs, self.max_gen_toks))
             stops.append(list(until))
         generations = self.engine.generate_greedy(prompts, max_tokens, stops, self.layout)
+        for request, generation in zip(requests, generations):
+            key = (getattr(request, "task_name", None), getattr(request, "doc_id", None))
+            self.finish_reasons.setdefault(key, []).append(generation.finish_reason)
         return [g.text for g in generations]
 
     def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
@@ -163,6 +168,15 @@ def fewshot_problem(tasks: Sequence[TaskSpec], manager: Any) -> str | None:
     return None
 
 
+def _finish_reason(lm: EngineLM, task: str, row: dict[str, Any]) -> dict[str, Any]:
+    """A generated answer's ``finish_reason`` (a list for a doc of several requests); nothing for a
+    log-likelihood task, which generates nothing."""
+    reasons = lm.finish_reasons.get((task, row.get("doc_id")))
+    if reasons is None:
+        return {}
+    return {FINISH_REASON: reasons[0] if len(reasons) == 1 else reasons}
+
+
 def run_task(
     engine: Engine,
     task: TaskSpec,
@@ -187,7 +201,7 @@ def run_task(
         task_manager=manager,
         bootstrap_iters=0,
     )
-    rows = [dict(row, task=sub, **{SAMPLES_RUN_ID: run_id})
+    rows = [dict(row, task=sub, **{SAMPLES_RUN_ID: run_id}, **_finish_reason(lm, sub, row))
             for sub, sub_rows in results["samples"].items() for row in sub_rows]
     if len(results["samples"]) > 1:
         # A task group: keep doc ids distinct across its subtasks.

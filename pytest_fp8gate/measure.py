@@ -215,6 +215,7 @@ class Measurements:
         """Where one model's artifacts came from (its engines so far included)."""
         probabilities = self.config.probabilities
         return {"environment": provenance.environment(), "model": self.fingerprint(spec),
+                "kv_cache_scales": provenance.kv_scale_source(spec),
                 "inputs": provenance.inputs(probabilities.corpus if probabilities else None, self.config.tasks),
                 "lm_eval_seeds": provenance.lm_eval_seeds() if self.config.tasks else None,
                 "engine_runs": [run for run in self.engine_runs if run["name"] == spec.name]}
@@ -469,7 +470,7 @@ class Measurements:
 
     def _pass_provenance(self, spec: ModelSpec, engine: Engine) -> dict[str, Any]:
         return {"environment": provenance.environment(), "model": self.fingerprint(spec),
-                "engine_kwargs": engine.kwargs}
+                "kv_cache_scales": provenance.kv_scale_source(spec), "engine_kwargs": engine.kwargs}
 
     def _write_engine_facts(self, name: str, result: ModelResult, engine: Engine) -> None:
         facts = {

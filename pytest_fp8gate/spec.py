@@ -131,6 +131,10 @@ class TaskLimits:
     # Optional output sanity rules (None: not collected): |mean length change| and invalid-answer rise.
     max_length_drift: float | None = None
     max_invalid_increase: float | None = None
+    # Optional: candidate over baseline accuracy at least this (llm-compressor's recovery_threshold, 0.95).
+    min_recovery: float | None = None
+    # Optional: the share of answers cut by max_gen_toks (finish_reason "length") at most the baseline's + this.
+    max_truncation_increase: float | None = None
 
 
 @dataclass(frozen=True)

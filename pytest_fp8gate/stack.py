@@ -11,10 +11,21 @@ and without it the fingerprint says so instead of guessing.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import os
 from collections import Counter
 from typing import Any
 
 RPC_TIMEOUT_S = 120.0
+# Kernel libraries vLLM selects among; their versions change what computes a number.
+_KERNEL_DISTRIBUTIONS = ("flashinfer-python", "deep-gemm", "deep_gemm", "triton", "vllm-flash-attn", "flash-attn",
+                         "xformers", "intel-extension-for-pytorch")
+# VLLM_* variables that select no kernel or backend (logging, ports, timeouts, telemetry, the gate's
+# own in-process switch, which the cache key holds as in_process).
+_NOT_SELECTING = ("VLLM_LOGGING_", "VLLM_CONFIGURE_LOGGING", "VLLM_CACHE_ROOT", "VLLM_HOST_IP", "VLLM_PORT",
+                  "VLLM_RPC_", "VLLM_API_KEY", "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "VLLM_USAGE_",
+                  "VLLM_ENGINE_READY_TIMEOUT_S", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_ENABLE_V1_MULTIPROCESSING")
 # Kernel names that serve FP8 weights without FP8 activations (the matmul runs in BF16/FP16).
 _WEIGHT_ONLY_MARKS = ("marlin", "w8a16", "wna16", "weightonly", "weight_only")
 
@@ -83,6 +94,23 @@ def fingerprint(llm: Any) -> dict[str, Any]:
         return found
     found.update(workers[0])
     return found
+
+
+def selection_inputs() -> dict[str, Any]:
+    """What selects this process's stack before an engine starts (the fingerprint itself is read from a
+    running engine): the VLLM_* variables that pick kernels and backends (VLLM_ATTENTION_BACKEND,
+    VLLM_USE_DEEP_GEMM, VLLM_TEST_FORCE_FP8_MARLIN, ...), each value hashed as it may be a secret, and
+    the versions of the kernel libraries installed. vLLM's version, the GPU and the engine kwargs
+    (attention_backend, compilation_config) are keyed beside it."""
+    env = {name: hashlib.sha256(value.encode()).hexdigest()[:16] for name, value in sorted(os.environ.items())
+           if name.startswith("VLLM_") and not name.startswith(_NOT_SELECTING)}
+    kernels = {}
+    for name in _KERNEL_DISTRIBUTIONS:
+        try:
+            kernels[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return {"vllm_env_sha256": env, "kernel_libraries": kernels}
 
 
 def summary(stack: dict[str, Any] | None) -> str:

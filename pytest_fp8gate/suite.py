@@ -72,3 +72,11 @@ def test_output_length_drift(fp8gate: GateSession, case, request: pytest.Fixture
 
 def test_invalid_rate(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
     fp8gate.enforce(case, request.node)
+
+
+def test_recovery(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_truncation(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)

@@ -304,6 +304,8 @@ _TASK_LIMIT_CHECKS = {
     "expected_accuracy_se": _number(0, low_open=True),
     "max_length_drift": _number(0, low_open=True),
     "max_invalid_increase": _FRACTION,
+    "min_recovery": _POSITIVE_FRACTION,
+    "max_truncation_increase": _FRACTION,
 }
 _DECODE_CHECKS = {"prompts": _integer(1), "prompt_tokens": _integer(1), "new_tokens": _integer(1)}
 _DECODE_LIMIT_CHECKS = {

@@ -95,6 +95,7 @@ class FakeModel:
     decode_tok_s: float = 100.0
     decode_noise: float = 0.0  # std of a perturbation its decode alone adds (a broken KV-cache path)
     invalid_rate: float = 0.0  # share of questions answered with no "####" line (no parsable answer)
+    ramble: int = 0  # characters of reasoning it writes before its answer (a tight max_gen_toks cuts it)
     fail_start: str | None = None  # the start raises RuntimeError(fail_start)
     id_shift: int = 0  # its distributions sit on ids shifted by this: another model or tokenizer under the name
 
@@ -244,13 +245,16 @@ class FakeEngine(Engine):
         if _uniform(self.model.seed, self._dtype, question) < self._flip_rate():
             wrong = not wrong
         answer = asked + 1 if wrong else asked
-        completion = f" The number is {answer}.\n#### {answer}\n\n"
+        thinking = " Let me count on." * (self.model.ramble // 17 + 1) if self.model.ramble else ""
+        completion = f"{thinking[:self.model.ramble]} The number is {answer}.\n#### {answer}\n\n"
         if _uniform("invalid", self.model.seed, question) < self.model.invalid_rate:
             completion = f" The number is {answer}, or so I believe after thinking it over at length.\n\n"
         for stop in stops:
             completion = completion.split(stop)[0] if stop else completion
-        ids = self.tokenizer.encode(completion)[:max_tokens]
-        return Generation(self.tokenizer.decode(ids), tuple(ids))
+        ids = self.tokenizer.encode(completion)
+        # As vLLM reports it: the budget ran out before a stop string ("length"), or a stop ended it.
+        finish_reason = "length" if len(ids) >= max_tokens else "stop"
+        return Generation(self.tokenizer.decode(ids[:max_tokens]), tuple(ids[:max_tokens]), finish_reason)
 
     def _flip_rate(self) -> float:
         return self.model.flip_rate + (0.03 if self._dtype == "float16" else 0.0)
@@ -454,7 +458,7 @@ def sample_rows(wrong: set[int], generations: dict[int, str] | None = None) -> l
         for filter_name in ("strict-match", "flexible-extract"):
             rows.append({"doc_id": doc, "filter": filter_name, "metrics": ["exact_match"],
                          "exact_match": 0.0 if doc in wrong else 1.0, "prompt_hash": f"p{doc}",
-                         "target": "2", "resps": [[text]], "filtered_resps": [answer]})
+                         "target": "2", "resps": [[text]], "filtered_resps": [answer], "finish_reason": "stop"})
     return rows
 
 

@@ -237,6 +237,7 @@ def test_roofline_wires_arguments_to_estimate_from_path(capsys, fake_roofline, t
                 "bandwidth_gbps": None,
                 "context_tokens": 1000,
                 "kv_cache_dtype": None,
+                "batch": 1,
             },
         )
     ]

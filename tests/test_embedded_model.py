@@ -191,6 +191,29 @@ def test_multiple_choice_task_scores_through_the_gates_adapter(engine, tokenizer
     assert logprob == pytest.approx(hf, abs=0.1) and isinstance(greedy, bool)
 
 
+def test_each_answer_s_finish_reason_reaches_the_samples(engine, tmp_path: Path) -> None:
+    # vLLM's CompletionOutput.finish_reason, through EngineLM into lm-eval's rows: a 4-token budget cuts
+    # every answer ("length"); the task's own budget lets the answers end at their stop string.
+    from lm_eval.tasks import TaskManager
+
+    from pytest_fp8gate.dumps import read_finish_reasons
+    from pytest_fp8gate.engine import ALL_AT_ONCE
+    from pytest_fp8gate.lm_adapter import run_task
+    from pytest_fp8gate.spec import TaskSpec
+
+    manager = TaskManager(include_path=str(ASSETS.tasks), include_defaults=False)
+    reasons = {}
+    for budget in (4, None):
+        task = TaskSpec("arith", ASSETS.task, "exact_match", num_fewshot=5, limit=6, filter="strict-match",
+                        include_path=ASSETS.tasks, max_gen_toks=budget)
+        directory = tmp_path / str(budget)
+        directory.mkdir()
+        reasons[budget] = read_finish_reasons(run_task(engine, task, directory, manager, "run", ALL_AT_ONCE),
+                                              task.filter)
+    assert len(reasons[4]) == 6 and set(reasons[4].values()) == {"length"}
+    assert list(reasons[None].values()).count("stop") >= 5, reasons[None]
+
+
 def test_cli_assets_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert fp8gate_main(["assets", "--json"]) == 0
     paths = json.loads(capsys.readouterr().out)

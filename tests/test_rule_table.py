@@ -63,7 +63,8 @@ max_gap_kl = 0.01
 bandwidth_gbps = 100
 """
 # The optional task rules' limits, in the task's table.
-TASK_LIMITS = "limit = 30\n[tasks.limits]\nmax_length_drift = 0.1\nmax_invalid_increase = 0.02\n"
+TASK_LIMITS = ("limit = 30\n[tasks.limits]\nmax_length_drift = 0.1\nmax_invalid_increase = 0.02\nmin_recovery = 0.5\n"
+               "max_truncation_increase = 0.02\n")
 
 
 def _gate_file(tmp_path: Path) -> Path:

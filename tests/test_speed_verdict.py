@@ -107,7 +107,8 @@ def test_the_speed_verdict_ends_with_its_limit_and_the_roofline_command(gate_for
     assert lines[-2:] == [
         # The embedded model is overhead-bound, so that limit applies.
         f"  limit: {display_path(gate.config.path)} speed.min_ratio_overhead_bound = 0.5",
-        f"  recompute: fp8gate roofline {model} --quantization fp8_per_channel --bandwidth-gbps 4800 --context 1128"]
+        f"  recompute: fp8gate roofline {model} --quantization fp8_per_channel --bandwidth-gbps 4800 --context 1128 "
+        "--batch 1"]
 
 
 def test_a_share_of_the_ceiling_above_one_is_refused_as_a_wrong_byte_model(gate_for):

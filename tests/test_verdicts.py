@@ -11,15 +11,16 @@ from fakes import GENERATION_RULES, MODELS, fake_engine_class, write_gate
 from pytest_fp8gate import cases, hardware, suite
 from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.measure import Measurements
-from pytest_fp8gate.rules import BY_TEST
+from pytest_fp8gate.rules import BY_TEST, RECOVERY, TRUNCATION
 from pytest_fp8gate.thresholds import load_config
 from pytest_fp8gate.verdict import Verdict
 
 # The rules on generated text are judged and explained in tests/test_generation_rules.py, on models
 # made to fail each of them (a broken KV cache, answers without a parsable answer); the load rule, which needs
-# served models, in tests/test_load.py over fake endpoints.
-RULE_TESTS = sorted(name for name in vars(suite) if name.startswith("test_")
-                    and BY_TEST[name].name not in GENERATION_RULES and BY_TEST[name].kind != "load")
+# served models, in tests/test_load.py over fake endpoints; the optional recovery and truncation rules in
+# tests/test_recovery.py and tests/test_truncation.py.
+RULE_TESTS = sorted(name for name in vars(suite) if name.startswith("test_") and BY_TEST[name].kind != "load"
+                    and BY_TEST[name].name not in GENERATION_RULES | {RECOVERY, TRUNCATION})
 PROBABILITY_ROWS = ["reference", "noise floor", "candidate", "candidate SE (fails beyond 1 SE)", "threshold", "margin"]
 # suite test -> the rows of its table, how its notes start, the limit it names and the command that recomputes it
 EXPLAINED = {
