@@ -39,14 +39,17 @@ from .sink_plant import write_evicted_sink
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EVICTED_SINK", "MARKER", "PLANT_KINDS", "REROUNDED", "Recipe", "bf16_reround", "fp8_round_trip", "plant",
-           "write_rerounded", "write_transformed"]
+__all__ = ["EVICTED_SINK", "MARKER", "PLANT_KINDS", "Q8_0_ROUND_TRIP", "REROUNDED", "Recipe", "bf16_reround",
+           "fp8_round_trip", "plant", "q8_0_round_trip", "write_q8_0_round_trip", "write_rerounded",
+           "write_transformed"]
 
 MARKER = ".fp8gate-plant.json"
 REROUNDED = "bf16-rerounded"  # the equally valid BF16 build (write_rerounded), not a plant
+Q8_0_ROUND_TRIP = "q8_0-roundtrip"  # llama.cpp's Q8_0 rounding stored as BF16 (write_q8_0_round_trip)
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 E4M3_MIN_NORMAL = 2.0**-6  # smallest normal float8_e4m3fn magnitude
 _LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+_Q8_0_ROUNDED = re.compile(_LINEAR.pattern + r"|^model\.embed_tokens\.weight$")
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,29 @@ def write_rerounded(seed: int, source_dir: Path, out_dir: Path) -> Path:
     """
     return _write_once({"kind": REROUNDED, "seed": seed}, functools.partial(write_transformed, bf16_reround(seed)),
                        Path(source_dir), Path(out_dir))
+
+
+def write_q8_0_round_trip(source_dir: Path, out_dir: Path) -> Path:
+    """Write (or reuse) the Q8_0 round trip: every projection weight and the token embedding through
+    llama.cpp's Q8_0 rounding (``q8_0_round_trip``), stored as BF16. These are the matrices
+    llama-quantize rounds for Q8_0, so this is the build whose llama.cpp row the default limits borrow.
+    Same atomic, marker-checked writing as ``plant``."""
+    write = functools.partial(write_transformed, q8_0_round_trip, names=_Q8_0_ROUNDED)
+    return _write_once({"kind": Q8_0_ROUND_TRIP}, write, Path(source_dir), Path(out_dir))
+
+
+def q8_0_round_trip(weight: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q8_0 of a weight matrix and back (``gguf.quants``, its numpy reference): blocks of 32
+    along each row, one FP16 scale (absmax / 127) each, round to nearest; the result in the weight's
+    dtype (one more rounding, to BF16, on top of Q8_0's)."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rows = weight.to(torch.float32).numpy()
+    blocks = quantize(np.ascontiguousarray(rows), GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(rows.shape)).to(weight.dtype)
 
 
 def bf16_reround(seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -213,9 +239,10 @@ def _check_writable_place(out_dir: Path) -> None:
         raise ValueError(f"{out_dir}: {parent} is not writable ({how}); give a writable directory")
 
 
-def write_transformed(transform: Callable[[torch.Tensor], torch.Tensor], source_dir: Path, out_dir: Path) -> None:
-    """Copy the checkpoint in ``source_dir`` to the existing ``out_dir`` with
-    ``transform`` applied to every q/k/v/o/gate/up/down projection weight."""
+def write_transformed(transform: Callable[[torch.Tensor], torch.Tensor], source_dir: Path, out_dir: Path,
+                      names: re.Pattern[str] = _LINEAR) -> None:
+    """Copy the checkpoint in ``source_dir`` to the existing ``out_dir`` with ``transform`` applied
+    to every tensor whose name ``names`` finds (by default the q/k/v/o/gate/up/down projections)."""
     from safetensors import safe_open
     from safetensors.torch import save
 
@@ -228,7 +255,7 @@ def write_transformed(transform: Callable[[torch.Tensor], torch.Tensor], source_
         with safe_open(path, framework="pt") as handle:
             metadata = handle.metadata()
             tensors = {
-                name: transform(handle.get_tensor(name)) if _LINEAR.search(name)
+                name: transform(handle.get_tensor(name)) if names.search(name)
                 else handle.get_tensor(name)
                 for name in handle.keys()
             }

