@@ -16,7 +16,7 @@ import numpy as np
 from .decode_phase import DecodeRun, generated_index, generated_rows
 from .dumps import write_logprob_dump
 from .errors import IdScoringUnavailable
-from .logprobs import LogprobRun
+from .logprobs import LogprobRun, check_vocabulary
 from .record import DECODE_DUMP, FLOOR_DUMP, ON_BASELINE_DUMP, PREFILL_DUMP, DecodeResult
 from .spec import DecodeSpec
 
@@ -58,6 +58,7 @@ def write_continuations(engine: Engine, prompts: list[list[int]], spec: DecodeSp
         np.concatenate([r.top_logprobs for r in runs]),
         full_logprobs=np.concatenate([r.full_logprobs for r in runs]) if full_vocab else None,
         token_ids=np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _ in written]))
+    check_vocabulary(logprobs, engine.vocab_size)
     return DecodeRun(tuple(tuple(p) for p in prompts), tuple(ids for ids, _ in written), logprobs)
 
 
@@ -70,7 +71,9 @@ def score_by_prefill(engine: Engine, run: DecodeRun, top_k: int, full_vocab: boo
     """
     sequences = [list(s) for s in run.sequences]
     prompt_lengths = [len(p) for p in run.prompts]
-    rows = generated_rows(engine.prompt_logprobs(sequences, top_k, full_vocab, layout), prompt_lengths, run.lengths)
+    scored = engine.prompt_logprobs(sequences, top_k, full_vocab, layout)
+    check_vocabulary(scored, engine.vocab_size)
+    rows = generated_rows(scored, prompt_lengths, run.lengths)
     if full_vocab:
         return rows
     # One id row per scored position of the sequences: the prompt rows ask for id 0, which is not read.

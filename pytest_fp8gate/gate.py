@@ -87,11 +87,13 @@ class Gate:
         worst = max(floor_values.values(), key=lambda v: abs(v - ideal)) if floor_values else None
         reference, factor = getattr(limits, rule.limit_key), limits.floor_ratio_for(rule.name)
         floor_key = f"floor_ratio.{rule.name}" if isinstance(limits.floor_ratio, Mapping) else "floor_ratio"
-        outcome = rule.bound(rule.name, measured, reference, worst, factor, ideal=ideal,
-                             measured_se=getattr(comparison, rule.se_field) or 0.0, k_se=limits.limit_se,
-                             keys=(rule.limit_key, floor_key))
-        notes = [f"noise pass {label}: {rule.name} = {_number(v)} ({PASS_DESCRIPTIONS[label]})"
-                 for label, v in floor_values.items()]
+        outcome = rules.within_sanity_floor(
+            rule.bound(rule.name, measured, reference, worst, factor, ideal=ideal,
+                       measured_se=getattr(comparison, rule.se_field) or 0.0, k_se=limits.limit_se,
+                       keys=(rule.limit_key, floor_key)), comparison.same_top)
+        notes = [rules.sanity_floor_note(comparison.same_top)] if outcome.bound_by == rules.SANITY_FLOOR else []
+        notes += [f"noise pass {label}: {rule.name} = {_number(v)} ({PASS_DESCRIPTIONS[label]})"
+                  for label, v in floor_values.items()]
         if case.rule == "mean_kl":
             notes.append(f"KL(base || candidate) is {comparison.kl_kind}{self._kl_partition_note(comparison)}")
         if limits.limit_se > 0:

@@ -70,11 +70,14 @@ def decode_phase(comparisons: Comparisons, case: Case) -> Verdict:
     ideal = rule.ideal
     worst = max(floor_values.values(), key=lambda v: abs(v - ideal))
     reference = getattr(limits, rule.limit_key)
-    outcome = rule.bound(rule.name, measured, reference, worst, limits.floor_ratio, ideal=ideal,
-                         measured_se=getattr(comparison.logprobs, rule.se_field) or 0.0, k_se=limits.limit_se,
-                         keys=(rule.limit_key, "floor_ratio"))
+    same_top = comparison.logprobs.same_top
+    outcome = rules.within_sanity_floor(
+        rule.bound(rule.name, measured, reference, worst, limits.floor_ratio, ideal=ideal,
+                   measured_se=getattr(comparison.logprobs, rule.se_field) or 0.0, k_se=limits.limit_se,
+                   keys=(rule.limit_key, "floor_ratio")), same_top)
     prefill = _prefill_line(comparisons, case.candidate)
-    notes = [f"on {comparison.logprobs.positions} generated positions ({comparison.sequences} greedy continuations "
+    notes = [rules.sanity_floor_note(same_top)] if outcome.bound_by == rules.SANITY_FLOOR else []
+    notes += [f"on {comparison.logprobs.positions} generated positions ({comparison.sequences} greedy continuations "
              f"of {decode.new_tokens} tokens the baseline wrote after {decode.prompt_tokens}-token corpus prompts; "
              "the candidate prefilled the exact ids)",
              f"decode phase: {_figures(comparison)}"]

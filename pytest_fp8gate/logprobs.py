@@ -23,6 +23,7 @@ __all__ = [
     "PERCENTILES",
     "ComparisonError",
     "LogprobComparison",
+    "check_vocabulary",
     "LogprobRun",
     "compare_logprobs",
     "kl_per_position",
@@ -119,8 +120,6 @@ class LogprobRun:
             )
         if fields["top_ids"].shape[1] == 0:
             raise ComparisonError("top_ids needs at least one column (the top-1 token)")
-        if np.isnan(fields["real_logprob"]).any():
-            raise ComparisonError("real_logprob contains NaN; every position needs a value")
         _check_values(fields)
         for name, array in fields.items():
             object.__setattr__(self, name, array)
@@ -139,24 +138,46 @@ _MASS_TOLERANCE = 1e-3
 
 
 def _check_values(fields: dict[str, np.ndarray]) -> None:
-    """Refuse arrays that cannot be what they claim: log-probs above 0, negative token ids, unnormalised rows."""
+    """Refuse arrays that cannot be what they claim: NaN where a log-prob is due, log-probs above 0
+    (+inf among them), negative token ids, unnormalised rows. -inf (probability 0) is a log-prob.
+
+    NaN is allowed only as "not given": all of ``top_logprobs`` (a dump that records the top ids
+    alone) or entries of ``logprobs_on_base_ids`` (ids the engine did not score)."""
+    nan_allowed = {"logprobs_on_base_ids": True, "top_logprobs": bool(np.isnan(fields["top_logprobs"]).all())}
     for name in ("real_logprob", "top_logprobs", "logprobs_on_base_ids", "full_logprobs"):
         array = fields.get(name)
         if array is None:
             continue
-        above = np.flatnonzero(np.nan_to_num(array, nan=-np.inf) > _LOGPROB_SLACK)
-        if above.size:
-            position = np.unravel_index(above[0], array.shape)[0]
-            raise ComparisonError(
-                f"{name} holds {array.flat[above[0]]:.6g} at position {position}; a log-probability is at most 0"
-            )
+        if not nan_allowed.get(name, False):
+            _refuse_first(name, array, np.isnan(array), "{name} holds NaN at position {position}; "
+                          "a log-probability is due at every position and rank")
+        _refuse_first(name, array, np.nan_to_num(array, nan=-np.inf) > _LOGPROB_SLACK,
+                      "{name} holds {value:.6g} at position {position}; a log-probability is at most 0")
     for name in ("top_ids", "token_ids"):
         array = fields.get(name)
-        if array is not None and array.size and array.min() < 0:
-            raise ComparisonError(f"{name} holds the negative token id {array.min()}")
+        if array is not None:
+            _refuse_first(name, array, array < 0, "{name} holds the negative token id {value} at position {position}")
     full = fields.get("full_logprobs")
     if full is not None and full.size:
         _check_normalised(full)
+
+
+def _refuse_first(name: str, array: np.ndarray, bad: np.ndarray, message: str) -> None:
+    """ComparisonError with ``message`` formatted for the first entry where ``bad`` holds: its
+    array's ``name``, its ``value`` and its ``position`` (row)."""
+    found = np.flatnonzero(bad)
+    if found.size:
+        position = int(np.unravel_index(found[0], array.shape)[0])
+        raise ComparisonError(message.format(name=name, value=array.flat[found[0]], position=position))
+
+
+def check_vocabulary(run: LogprobRun, vocab_size: int) -> None:
+    """Refuse token ids at or beyond the vocabulary size, naming the first one and its position."""
+    for name in ("top_ids", "token_ids"):
+        array = getattr(run, name)
+        if array is not None:
+            _refuse_first(name, array, array >= vocab_size, "{name} holds the token id {value} at position "
+                          f"{{position}}, beyond the vocabulary of {vocab_size} ids")
 
 
 def _check_normalised(full: np.ndarray) -> None:
@@ -204,11 +225,6 @@ class LogprobComparison:
         figures = asdict(replace(self, kl_values=None))
         del figures["kl_values"]
         return figures
-
-    @property
-    def ppl_ratio_se(self) -> float:
-        """SE of ``ppl_ratio``, by the delta method from the SE of its log."""
-        return self.ppl_ratio * self.ln_ppl_ratio_se
 
 
 def _mean_se(values: np.ndarray) -> tuple[float, float]:
@@ -337,9 +353,12 @@ def _exact_kl(base_full: np.ndarray, cand_full: np.ndarray) -> np.ndarray:
 def _topk_kl_lower_bound(base: LogprobRun, cand: LogprobRun) -> np.ndarray:
     """KL over a coarser partition of the vocabulary, so never above the true KL.
 
-    The partition is every baseline top-k id whose candidate log-prob is known,
-    plus one bucket holding all remaining mass of each distribution. Merging
-    outcomes cannot increase KL (data-processing inequality).
+    The cells: each baseline top-k id whose candidate log-prob is known (scored
+    on the baseline's ids, or found in the candidate's own top-k); one bucket of
+    the baseline ids the candidate did not report; one of everything else. The
+    candidate's mass on the unreported bucket is not known, only capped (see
+    ``_partition_kl``); the bound takes the least KL any allowed mass gives.
+    Merging outcomes cannot increase KL (data-processing inequality).
     """
 
     def kl_of(rows: slice) -> np.ndarray:
@@ -348,11 +367,15 @@ def _topk_kl_lower_bound(base: LogprobRun, cand: LogprobRun) -> np.ndarray:
         lp = np.ascontiguousarray(base.top_logprobs[rows].T)
         if cand.logprobs_on_base_ids is not None:
             lq = np.ascontiguousarray(cand.logprobs_on_base_ids[rows].T)
+            unknown = np.isnan(lq)
+            if unknown.any():  # ids the engine did not score may still be in the candidate's own top-k
+                found = _lookup_on_base_ids(base.top_ids[rows], cand.top_ids[rows], cand.top_logprobs[rows])
+                lq = np.where(unknown, found, lq)
         else:
             lq = _lookup_on_base_ids(
                 base.top_ids[rows], cand.top_ids[rows], cand.top_logprobs[rows]
             )
-        return _partition_kl(lp, lq)
+        return _partition_kl(lp, lq, cand.top_logprobs[rows])
 
     return _blockwise(base.positions, _BLOCK, kl_of)
 
@@ -383,22 +406,54 @@ def _lookup_on_base_ids(
     return found
 
 
-def _partition_kl(lp: np.ndarray, lq: np.ndarray) -> np.ndarray:
+# Relative error allowed in a probability the candidate reported: float32 log-probs round it by about
+# 1e-6, so its reported mass and its k-th probability are known to within this.
+_REPORTED_ROUNDING = 1e-5
+
+
+def _partition_kl(lp: np.ndarray, lq: np.ndarray, cand_lp: np.ndarray) -> np.ndarray:
+    """KL(P || Q) over the partition A (baseline ids with a known candidate log-prob, a cell each),
+    B (baseline ids the candidate did not report, one bucket) and C (the rest of the vocabulary),
+    minimised over the candidate's unknown mass x = Q(B).
+
+    ``lp``, ``lq``: [k, block] the baseline's top-k log-probs and the candidate's on the same ids
+    (NaN: not reported); ``cand_lp``: [block, k_c] the candidate's own top-k log-probs. An id the
+    candidate did not report has at most its smallest reported probability q_min, and B as a whole
+    at most its unreported mass, so x <= U = min(|B| q_min, 1 - its reported mass, Q(B u C)). With
+    s = Q(B u C) = 1 - Q(A), the B and C cells add f(x) = P(B) ln(P(B)/x) + P(C) ln(P(C)/(s - x)),
+    convex in x with its minimum at x* = s P(B) / (P(B) + P(C)), where f is the one-bucket value
+    (P(B) + P(C)) ln((P(B) + P(C)) / s). The bound is f(min(x*, U)): never above f at the true
+    Q(B), so never above the KL over the partition, nor the exact KL.
+    """
     diff = lp - lq
     # A pair is usable when both log-probs are known (diff not NaN) and the
     # baseline's probability is non-zero (diff not -inf); the others fall into
-    # the remainder bucket, which keeps the partition valid.
+    # B (not reported) or C, which keeps the partition valid.
     usable = diff > -np.inf
     p = np.zeros_like(lp)
     q = np.zeros_like(lq)
     np.exp(lp, out=p, where=usable)
     np.exp(lq, out=q, where=usable)
     kl = np.multiply(p, diff, out=np.zeros_like(diff), where=usable).sum(axis=0)
-    p_rest = np.clip(1.0 - p.sum(axis=0), 0.0, 1.0)
+    unreported = np.isnan(lq)
+    p_b = np.exp(lp, out=np.zeros_like(lp), where=unreported).sum(axis=0)
+    p_c = np.clip(1.0 - p.sum(axis=0) - p_b, 0.0, 1.0)
     # The candidate's leftover mass is only known to within the rounding of a
-    # k-term sum; flooring it there keeps the bucket finite and the bound low.
-    q_floor = lp.shape[0] * np.finfo(np.float64).eps
-    q_rest = np.clip(1.0 - q.sum(axis=0), q_floor, 1.0)
+    # k-term sum; adding that keeps the buckets finite and the bound low.
+    q_floor = (lp.shape[0] + 1) * np.finfo(np.float64).eps
+    s = np.clip(1.0 - q.sum(axis=0) + q_floor, q_floor, 1.0)
+    p_rest = p_b + p_c
     with np.errstate(divide="ignore", invalid="ignore"):
-        kl += np.where(p_rest > 0, p_rest * np.log(p_rest / q_rest), 0.0)
-    return kl
+        rest = np.where(p_rest > 0, p_rest * np.log(p_rest / s), 0.0)  # B and C as one bucket: f(x*)
+    if unreported.any():
+        reported = np.exp(cand_lp)
+        # NaN (a log-prob not given) counts as 0 in the reported mass and is skipped by fmin: both
+        # caps stay at least what they would be, so the bound stays low.
+        unreported_mass = 1.0 - np.nansum(reported, axis=1) * (1.0 - _REPORTED_ROUNDING)
+        per_id = np.fmin.reduce(reported, axis=1) * (1.0 + _REPORTED_ROUNDING)
+        cap = np.maximum(np.fmin(np.fmin(unreported.sum(axis=0) * per_id, unreported_mass), s), q_floor)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            capped = s * p_b > cap * p_rest  # x* > U, so U < x* <= s and s - U > 0
+            split = p_b * np.log(p_b / cap) + np.where(p_c > 0, p_c * np.log(p_c / (s - cap)), 0.0)
+        rest = np.where(capped, split, rest)
+    return kl + rest

@@ -26,8 +26,8 @@ from . import stack as stack_mod
 from .atomic import atomic_write_text
 from .dumps import RUN_ID, write_logprob_dump
 from .engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine, applied_env
-from .errors import Fp8GateError, IdScoringUnavailable, MeasurementError
-from .logprobs import LogprobRun
+from .errors import ComparisonError, Fp8GateError, IdScoringUnavailable, MeasurementError
+from .logprobs import LogprobRun, check_vocabulary
 from .record import NOISE_STRIDE, BaselineRecord, DecodeResult, ModelResult, Needs, PassResult
 from .spec import BATCH_ORDER_PASS, FP16_PASS, GateConfig, ModelSpec, TaskSpec
 
@@ -150,6 +150,10 @@ class Measurements:
         memory["running"] = hardware.cuda_free_memory_mib()
         try:
             yield engine
+        except ComparisonError as err:  # raised where a run is built from what the engine returned
+            # A served engine names itself with its (redacted) URL; an in-process one by its model path.
+            where = getattr(engine, "where", None) or f"{spec.name} ({spec.model})"
+            raise MeasurementError(f"{where} returned log-probs the gate refuses: {err}") from None
         finally:
             facts = engine.facts()  # read before shutdown drops the engine
             engine.shutdown()
@@ -351,6 +355,7 @@ class Measurements:
             started = time.perf_counter()
             run = engine.prompt_logprobs(self._chunks, self.config.probabilities.top_k, self._full_vocab_wanted(),
                                          layout)
+            check_vocabulary(run, engine.vocab_size)
             run = self._with_base_ids(engine, run)
             result.logprobs_path = directory / "logprobs.npz"
             write_logprob_dump(result.logprobs_path, run, {"model": spec.model, "name": spec.name, "pass": label,

@@ -2,7 +2,8 @@
 load rule's engine-free tests.
 
 Its knobs break one thing each (no prompt or decode-time log-probs, decode-time log-probs
-other than prefill's, another model name, a key,
+other than prefill's, another model's prompt log-probs, a NaN, +inf or out-of-vocabulary runner-up,
+another model name, a key,
 a redirect to another host, a tokenizer that cuts text otherwise, a slower stream
 or first token, streams one at a time); the
 measurements themselves are tested against real ``vllm serve`` processes.
@@ -46,6 +47,11 @@ class Knobs:
     first_token_s: float = 0.0
     kv_blocks: int = 64  # /metrics' vllm:cache_config_info, 16-token blocks
     serialized: bool = False  # streams one request at a time: a build that does not batch
+    # Prompt log-probs that must not pass: another model's distribution (rank r on id (r + id_shift) mod VOCAB),
+    # and the rank-2 entry's log-prob (NaN, +inf) or id (beyond the vocabulary) replaced at every position.
+    id_shift: int = 0
+    runner_up_logprob: float | None = None
+    runner_up_id: int | None = None
     requests: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
 
@@ -94,12 +100,7 @@ class FakeEndpoint:
             if count > self.knobs.max_logprobs and self.knobs.max_logprobs != -1:
                 return 400, {"error": {"message": f"Requested prompt logprobs of {count}, which is greater than "
                                                   f"max allowed: {self.knobs.max_logprobs}"}}
-            rows: list[Any] = [None]
-            for token in ids[1:]:
-                row = {str(token): {"logprob": _logprob(token), "rank": 1 + token}}
-                row.update({str(t): {"logprob": _logprob(r), "rank": r + 1} for r, t in enumerate(range(count))})
-                rows.append(row)
-            choice["prompt_logprobs"] = rows
+            choice["prompt_logprobs"] = [None] + [self._prompt_row(token, count) for token in ids[1:]]
         want = body.get("logprobs")
         if want is not None:
             count = VOCAB if want == -1 else want
@@ -110,6 +111,19 @@ class FakeEndpoint:
         if body.get("return_token_ids"):
             choice["token_ids"] = [0] * int(body.get("max_tokens", 16))  # what _decode writes: id 0, greedily
         return 200, {"id": "cmpl-fake", "object": "text_completion", "model": self.knobs.model, "choices": [choice]}
+
+    def _prompt_row(self, token: int, count: int) -> dict[str, Any]:
+        """One position's prompt log-probs: the real token's entry and the top ``count``, keyed by id."""
+        knobs = self.knobs
+        rank_of = (token - knobs.id_shift) % VOCAB
+        ranked = [((r + knobs.id_shift) % VOCAB, _logprob(r)) for r in range(count)]
+        if count > 1 and knobs.runner_up_logprob is not None:
+            ranked[1] = (ranked[1][0], knobs.runner_up_logprob)
+        if count > 1 and knobs.runner_up_id is not None:
+            ranked[1] = (knobs.runner_up_id, ranked[1][1])
+        row = {str(token): {"logprob": _logprob(rank_of), "rank": 1 + rank_of}}
+        row.update({str(t): {"logprob": lp, "rank": r + 1} for r, (t, lp) in enumerate(ranked)})
+        return row
 
     def _decode(self, choice: dict[str, Any], tokens: int, count: int, as_ids: bool) -> None:
         """vLLM's completions ``logprobs``: per generated token its log-prob and a dict of the sampled token

@@ -96,6 +96,7 @@ class FakeModel:
     decode_noise: float = 0.0  # std of a perturbation its decode alone adds (a broken KV-cache path)
     invalid_rate: float = 0.0  # share of questions answered with no "####" line (no parsable answer)
     fail_start: str | None = None  # the start raises RuntimeError(fail_start)
+    id_shift: int = 0  # its distributions sit on ids shifted by this: another model or tokenizer under the name
 
 
 class FakeTokenizer:
@@ -166,7 +167,8 @@ class FakeEngine(Engine):
         self.start_s = 0.001
         self.tokenizer = FakeTokenizer()
         self.vocab_size = VOCAB
-        self._logits = _ARCHITECTURE + _noise(self.model.seed) * self.model.logit_noise
+        self._logits = np.roll(_ARCHITECTURE + _noise(self.model.seed) * self.model.logit_noise, self.model.id_shift,
+                               axis=1)
         if dtype == "float16":
             self._logits = self._logits + _FP16
         self._dtype = dtype
@@ -368,7 +370,7 @@ quantization = "fp8_per_channel"
 """
 # For THRESHOLDS: "good" within every limit, "bad" past them (its decode at 0.3x the baseline's speed).
 MODELS = {"good": FakeModel(logit_noise=0.004, seed=2),
-          "bad": FakeModel(logit_noise=1.0, flip_rate=0.3, seed=3, decode_tok_s=30.0)}
+          "bad": FakeModel(logit_noise=0.5, flip_rate=0.3, seed=3, decode_tok_s=30.0)}
 
 
 def write_gate(directory: Path, edit: Callable[[str], str] = lambda text: text, task: bool = True) -> Path:

@@ -33,7 +33,7 @@ max_gap_kl = 0.001355
 TASK_LIMITS = "flip_alpha = 0.5\nmax_length_drift = 0.10\nmax_invalid_increase = 0.02\n"
 MODELS = {
     "good": FakeModel(logit_noise=0.004, seed=2),
-    "bad": FakeModel(logit_noise=1.0, seed=3),  # far from the baseline everywhere
+    "bad": FakeModel(logit_noise=0.25, seed=3),  # far from the baseline everywhere (its same top above 0.5)
     # Prefill exactly the baseline's; its decode reads a broken KV cache.
     "kv": FakeModel(decode_noise=0.3, seed=1),
     "rambling": FakeModel(logit_noise=0.004, seed=4, invalid_rate=0.5),  # half its answers lack "####"

@@ -17,6 +17,7 @@ from pytest_fp8gate.rules import (
     flip_margin_se,
     flips_within_noise_floor,
     is_overhead_bound,
+    ratio_at_most,
 )
 
 # The article's GSM8K example: 1,319 questions at about 82%, one SE = 1.06 points.
@@ -157,21 +158,32 @@ def test_at_most_kl_and_rms_dp():
     assert not capped.passed and capped.limit == pytest.approx(0.008)
 
 
-def test_ppl_ratio_distance_is_measured_from_one():
-    outcome = at_most("ppl_ratio", 1.0006, 1.001, floor_value=1.0004, floor_ratio=2.0, ideal=1.0)
-    assert outcome.limit == pytest.approx(1.0008) and outcome.passed
-    assert not at_most("ppl_ratio", 1.0009, 1.001, 1.0004, 2.0, ideal=1.0).passed
+def test_ppl_ratio_distance_is_measured_from_one_in_logs():
+    outcome = ratio_at_most("ppl_ratio", 1.0006, 1.001, floor_value=1.0004, floor_ratio=2.0)
+    assert outcome.limit == pytest.approx(1.0004 ** 2) and outcome.passed
+    assert outcome.limit_key == "floor_ratio"
+    assert not ratio_at_most("ppl_ratio", 1.0009, 1.001, 1.0004, 2.0).passed
+    assert ratio_at_most("ppl_ratio", 0.5, 1.001).passed  # a candidate that predicts the text better
 
 
 def test_a_limit_missed_within_k_standard_errors_passes_and_beyond_fails():
-    # The demo's fp8_per_channel: PPL ratio 1.000718 with SE 0.000341 against Q8_0's 1.000425.
-    within = at_most("ppl_ratio", 1.000718, 1.000425, ideal=1.0, measured_se=0.000341, k_se=1.0)
-    assert within.passed and within.margin == pytest.approx(0.000341 - 0.000293)
-    assert ("candidate SE (fails beyond 1 SE)", 0.000341) in within.rows
-    assert not at_most("ppl_ratio", 1.000718, 1.000425, ideal=1.0, measured_se=0.000341, k_se=0.0).passed
-    assert not at_most("ppl_ratio", 1.0028, 1.000425, ideal=1.0, measured_se=0.0004, k_se=1.0).passed
+    # The demo's fp8_per_channel: PPL ratio 1.000718 with SE 0.000341 of its log against Q8_0's 1.000425.
+    within = ratio_at_most("ppl_ratio", 1.000718, 1.000425, measured_se=0.000341, k_se=1.0)
+    assert within.passed and within.margin == pytest.approx(1.000425 * math.exp(0.000341) - 1.000718)
+    assert ("SE of ln candidate (fails beyond 1 SE)", 0.000341) in within.rows
+    assert (within.measured, within.limit) == (1.000718, 1.000425)  # shown as ratios
+    assert not ratio_at_most("ppl_ratio", 1.000718, 1.000425, measured_se=0.000341, k_se=0.0).passed
+    assert not ratio_at_most("ppl_ratio", 1.0028, 1.000425, measured_se=0.0004, k_se=1.0).passed
     assert not at_least("same_top", 0.96, 0.97674, measured_se=0.003, k_se=1.0).passed
     assert at_least("same_top", 0.975, 0.97674, measured_se=0.003, k_se=1.0).passed
+
+
+def test_a_huge_ppl_ratio_fails_whatever_its_standard_error():
+    # Another model served under the name: PPL ratio 6.18e7, mean log-ratio 17.9 with a wide spread. Carried
+    # to the ratio, one SE (ratio x SE of the log) cleared a limit of 1.01; in logs it misses by ~17 nats.
+    outcome = ratio_at_most("ppl_ratio", 6.18e7, 1.01, measured_se=0.9, k_se=1.0)
+    assert not outcome.passed and outcome.margin < -6e7
+    assert not ratio_at_most("ppl_ratio", math.inf, 1.01, measured_se=50.0, k_se=1.0).passed
 
 
 def test_floor_ratio_without_floor_is_an_error():

@@ -14,7 +14,7 @@ from pytest_fp8gate import cli
 from pytest_fp8gate.dumps import SAMPLES_RUN_ID, write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.errors import ComparisonError
 from pytest_fp8gate.gate import Gate, GateError
-from pytest_fp8gate.logprobs import LogprobRun
+from pytest_fp8gate.logprobs import LogprobRun, check_vocabulary
 from pytest_fp8gate.measure import MeasurementError, Measurements
 from pytest_fp8gate.record import ModelResult, Needs, PassResult
 from pytest_fp8gate.thresholds import load_config
@@ -34,14 +34,24 @@ IMPOSSIBLE_RUNS = {
                      "top_logprobs holds 0.2 at position 0; a log-probability is at most 0"),
     "positive on base ids": ({"logprobs_on_base_ids": np.array([[np.nan, -1.0], [3.0, -1.0]])},
                              "logprobs_on_base_ids holds 3 at position 1; a log-probability is at most 0"),
-    "negative top id": ({"top_ids": np.array([[3, 1], [-3, 0]])}, "top_ids holds the negative token id -3"),
-    "negative token id": ({"token_ids": np.array([5, -3])}, "token_ids holds the negative token id -3"),
+    "negative top id": ({"top_ids": np.array([[3, 1], [-3, 0]])},
+                        "top_ids holds the negative token id -3 at position 1"),
+    "negative token id": ({"token_ids": np.array([5, -3])}, "token_ids holds the negative token id -3 at position 1"),
     "unnormalised full": ({"full_logprobs": np.zeros((2, 4))},
                           "full_logprobs at position 0 sums to probability 4, not 1; "
                           "not a distribution over the vocabulary"),
     "NaN in full": ({"full_logprobs": np.log(np.array([[0.25] * 4, [0.25, 0.25, 0.5, np.nan]]))},
-                    "full_logprobs at position 1 sums to probability nan, not 1; "
-                    "not a distribution over the vocabulary"),
+                    "full_logprobs holds NaN at position 1; a log-probability is due at every position and rank"),
+    "NaN on the real token": ({"real_logprob": np.array([-0.1, np.nan])},
+                              "real_logprob holds NaN at position 1; a log-probability is due at every position "
+                              "and rank"),
+    "NaN among the runner-ups": ({"top_logprobs": np.array([[-0.5, -1.0], [-0.5, np.nan]])},
+                                 "top_logprobs holds NaN at position 1; a log-probability is due at every "
+                                 "position and rank"),
+    "+inf among the runner-ups": ({"top_logprobs": np.array([[-0.5, -1.0], [-0.5, np.inf]])},
+                                  "top_logprobs holds inf at position 1; a log-probability is at most 0"),
+    "+inf on base ids": ({"logprobs_on_base_ids": np.array([[np.nan, -1.0], [np.inf, -1.0]])},
+                         "logprobs_on_base_ids holds inf at position 1; a log-probability is at most 0"),
 }
 
 
@@ -50,6 +60,20 @@ def test_impossible_logprobs_are_refused(overrides: dict[str, np.ndarray], messa
     with pytest.raises(ComparisonError) as info:
         _run(**overrides)
     assert str(info.value) == message
+
+
+def test_ids_beyond_the_vocabulary_are_refused() -> None:
+    run = _run(top_ids=np.array([[3, 1], [264, 0]]))
+    check_vocabulary(run, 265)
+    with pytest.raises(ComparisonError) as info:
+        check_vocabulary(run, 259)
+    assert str(info.value) == "top_ids holds the token id 264 at position 1, beyond the vocabulary of 259 ids"
+
+
+def test_probability_zero_and_ids_only_runs_are_accepted() -> None:
+    # -inf is probability 0 (a runner-up the model rules out); a dump of the top ids alone has no log-probs.
+    assert _run(top_logprobs=np.array([[-0.5, -np.inf], [-0.6, -1.0]])).positions == 2
+    assert _run(top_logprobs=np.full((2, 2), np.nan)).positions == 2
 
 
 def test_rounding_above_zero_and_normalised_distributions_are_accepted() -> None:

@@ -168,6 +168,48 @@ def test_an_endpoint_that_cannot_be_gated_fails_every_rule_with_one_error(
     assert len([p for p in knobs.requests if p == "/v1/completions"]) <= 2
 
 
+def _candidate_gate(pytester: pytest.Pytester, candidate: Knobs, full_vocab: bool = False) -> pytest.RunResult:
+    if full_vocab:  # both servers answer for the whole vocabulary (vLLM's --max-logprobs -1)
+        candidate.max_logprobs = -1
+    with FakeEndpoint(Knobs(max_logprobs=candidate.max_logprobs)) as url, FakeEndpoint(candidate) as candidate_url:
+        path = _config(pytester.path, _external(url), _external(candidate_url).replace("served-bf16", "served-fp8"))
+        if full_vocab:
+            path.write_text(path.read_text().replace("full_vocab = false", "full_vocab = true"))
+        return pytester.runpytest("thresholds.toml", "-p", "no:randomly", "-p", "no:cacheprovider", "-rA")
+
+
+@pytest.mark.parametrize("full_vocab", [False, True], ids=["top-k", "exact"])
+def test_a_different_model_served_under_the_name_fails_every_probability_rule(pytester: pytest.Pytester,
+                                                                              full_vocab: bool):
+    # Issue 30: another model's distribution (no top-5 id in common) once passed ppl_ratio (6.18e7 against
+    # 1.01: the allowance grew with the ratio) and mean_kl (the top-k bound read 0).
+    result = _candidate_gate(pytester, Knobs(model="served-fp8", id_shift=129), full_vocab)
+    result.assert_outcomes(failed=PROBABILITY_RULES)
+    text = result.stdout.str()
+    assert text.count("looks like a different model or tokenizer") >= PROBABILITY_RULES
+    assert "Traceback" not in text
+    kl = next(line for line in text.splitlines() if line.startswith("  note: KL(base || candidate) is "))
+    assert ("exact" in kl) is full_vocab
+    verdict = text[text.index("mean_kl FAILED for candidate fp8"):].splitlines()
+    mean_kl = float(next(line for line in verdict if line.startswith("  candidate ")).split()[-1])
+    assert mean_kl > 4.0  # the fake's top-5 holds 99% of its mass: nearly all of it moved
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (Knobs(model="served-fp8", runner_up_logprob=math.nan), "top_logprobs holds NaN at position 0"),
+    (Knobs(model="served-fp8", runner_up_logprob=math.inf), "top_logprobs holds inf at position 0"),
+    (Knobs(model="served-fp8", runner_up_id=264), "top_ids holds the token id 264 at position 0, beyond the "
+                                                  "vocabulary of 259 ids"),
+], ids=["nan-runner-up", "inf-runner-up", "id-beyond-vocabulary"])
+def test_log_probs_a_server_cannot_have_returned_are_refused_with_one_line(pytester: pytest.Pytester,
+                                                                           knobs: Knobs, message: str):
+    result = _candidate_gate(pytester, knobs)
+    result.assert_outcomes(failed=PROBABILITY_RULES)
+    result.stdout.fnmatch_lines([f"*measuring fp8: fp8 at http://127.0.0.1:* returned log-probs the gate "
+                                 f"refuses: {message}*"])
+    assert "Traceback" not in result.stdout.str()
+
+
 def test_the_api_key_goes_only_into_the_request_header(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
     key = "sk-fp8gate-test-0123456789"
     monkeypatch.setenv("FP8GATE_TEST_KEY", key)

@@ -14,7 +14,7 @@ from pytest_fp8gate.answers import (
     mcnemar_exact_p,
 )
 from pytest_fp8gate.errors import ComparisonError
-from pytest_fp8gate.logprobs import PERCENTILES, LogprobRun, compare_logprobs
+from pytest_fp8gate.logprobs import PERCENTILES, TOPK_KL, LogprobRun, compare_logprobs, kl_per_position
 from pytest_fp8gate.rules import BY_NAME
 
 
@@ -91,6 +91,86 @@ def test_topk_lower_bound_is_tight_when_tail_mass_is_tiny():
     cand = run_from_full(cand_full, real, k, keep_full=False)
     result = compare_logprobs(base, cand)
     assert result.mean_kl == pytest.approx(np.mean(reference_kl(base_full, cand_full)), abs=1e-9)
+
+
+def _random_pair(seed: int) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """A baseline and a candidate distribution over a random vocabulary, sharp or flat, the candidate a
+    perturbation of the baseline, an unrelated model, or the baseline on other ids (disjoint top-k); and
+    the rounding their log-probs carry (float32 ones do not sum to 1 exactly, so neither is the exact KL)."""
+    rng = np.random.default_rng(seed)
+    vocab = int(rng.choice([4, 10, 60, 259, 2000]))
+    k = int(rng.integers(1, min(vocab, 50) + 1))
+    scale = float(rng.choice([0.3, 1.0, 3.0, 8.0]))
+    base = log_softmax(rng.normal(scale=scale, size=(30, vocab)))
+    kind = seed % 3
+    if kind == 0:
+        cand = log_softmax(base + rng.normal(scale=float(rng.choice([0.05, 0.5, 3.0])), size=base.shape))
+    elif kind == 1:
+        cand = log_softmax(rng.normal(scale=scale, size=base.shape))
+    else:
+        cand = np.roll(base, vocab // 2, axis=1)
+    if seed % 4 == 0:  # float32 log-probs, as engines return them
+        base, cand = (log_softmax(x).astype(np.float32).astype(np.float64) for x in (base, cand))
+        return base, cand, k, 1e-6
+    return base, cand, k, 1e-12
+
+
+def _bound(base_full: np.ndarray, cand_full: np.ndarray, k: int) -> np.ndarray:
+    real = np.zeros(len(base_full), dtype=np.int64)
+    kind, kl = kl_per_position(run_from_full(base_full, real, k, False), run_from_full(cand_full, real, k, False))
+    assert kind == TOPK_KL and kl is not None
+    return kl
+
+
+@pytest.mark.parametrize("seeds", [range(start, start + 100) for start in range(0, 400, 100)],
+                         ids=lambda seeds: f"seeds-{seeds.start}")
+def test_topk_bound_is_never_above_the_exact_kl_of_random_distributions(seeds):
+    for seed in seeds:
+        base, cand, k, rounding = _random_pair(seed)
+        exact = np.array(reference_kl(base, cand))
+        bound = _bound(base, cand, k)
+        assert (bound >= 0).all()
+        assert (bound <= exact + rounding * (1 + exact)).all(), (seed, float((bound - exact).max()))
+
+
+def test_topk_bound_equals_the_exact_kl_when_the_sets_agree_and_the_tails_are_alike():
+    # The candidate moves only the top-k ids' logits, too little to change the set: the rest of the vocabulary
+    # keeps its shape, so one bucket of it loses nothing and the bound is the exact KL.
+    rng = np.random.default_rng(4)
+    n, vocab, k = 200, 300, 20
+    logits = rng.normal(size=(n, vocab))
+    logits[:, :k] += 8.0
+    shift = np.zeros_like(logits)
+    shift[:, :k] = rng.normal(scale=0.3, size=(n, k))
+    base, cand = log_softmax(logits), log_softmax(logits + shift)
+    bound = _bound(base, cand, k)
+    assert bound == pytest.approx(reference_kl(base, cand), rel=1e-9, abs=1e-14)
+    assert bound.min() > 0
+
+
+def test_topk_bound_is_zero_only_where_the_reported_sets_agree():
+    base, cand, _, _ = _random_pair(1)  # an unrelated model
+    assert (_bound(base, base, 8) == 0).all()
+    assert (_bound(base, cand, 8) > 1e-3).all()
+    # Another id order, the same probabilities: the distributions differ, so does the bound.
+    assert (_bound(base, np.roll(base, 1, axis=1), 8) > 1e-3).all()
+
+
+def test_topk_bound_is_large_when_the_top_k_sets_share_no_id():
+    # A sharp model against itself on other ids: the one-bucket bound read ~0 here. With k = 1 a
+    # candidate whose top id holds the baseline's top mass could put that mass on the baseline's id,
+    # so only larger k can prove much; the bound grows with k.
+    rng = np.random.default_rng(0)
+    base = log_softmax(rng.normal(scale=4.0, size=(100, 259)))
+    cand = np.roll(base, 129, axis=1)
+    exact = float(np.mean(reference_kl(base, cand)))
+    means = [float(_bound(base, cand, k).mean()) for k in (1, 5, 20, 50)]
+    assert means == sorted(means) and means[0] > 0.2
+    assert min(means[1:]) > 1.0 and means[-1] > 0.3 * exact
+    # The served fake's geometric distribution (p of rank r ~ e^-r) shifted: nearly all its top-k mass moves.
+    fake = np.log(1 - math.exp(-1.0)) - np.arange(259.0)
+    geometric = np.tile(fake, (4, 1))
+    assert _bound(geometric, np.roll(geometric, 129, axis=1), 5).min() > 4.0
 
 
 def test_logprobs_on_base_ids_fill_in_ids_missing_from_candidate_top_k():

@@ -43,7 +43,8 @@ EXPLAINED = {
         PROBABILITY_ROWS, ["noise pass batch-order: rms_dp = ", "noise pass fp16: rms_dp = ", "judged like accuracy: "],
         "probabilities.limits.max_rms_dp = 0.01198", "fp8gate compare-logprobs "),
     "test_ppl_ratio_within_limit": (
-        PROBABILITY_ROWS, ["noise pass batch-order: ppl_ratio = ", "noise pass fp16: ppl_ratio = ",
+        ["reference", "noise floor", "candidate", "SE of ln candidate (fails beyond 1 SE)", "limit x exp(1 SE)",
+         "threshold", "margin"], ["noise pass batch-order: ppl_ratio = ", "noise pass fp16: ppl_ratio = ",
                            "judged like accuracy: "],
         "probabilities.limits.max_ppl_ratio = 1.00042", "fp8gate compare-logprobs "),
     "test_kl_within_limit": (
