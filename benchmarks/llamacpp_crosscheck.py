@@ -266,12 +266,12 @@ def main() -> None:
           f"({base_file.n_chunk * base_file.scored} positions), add_bos {add_bos}", flush=True)
 
     scorers = {"gate-bf16": (args.baseline, "bfloat16"), "gate-f32": (args.baseline, "float32"),
-               "gate-rt": (args.round_trip, "bfloat16")}
+               "gate-rt": (args.round_trip, "bfloat16"), "gate-rt-f32": (args.round_trip, "float32")}
     targets = []
     started = time.perf_counter()
     # Keep one chunk's full distributions at a time: per chunk, the exact KL of every pair we report.
-    pairs = {("gate-bf16", "gate-rt"), ("gate-f32", "gate-bf16"), ("base", "q8_0"), ("base", "rt"),
-             ("base", "gate-bf16"), ("gate-f32", "base"), ("base", "gate-rt")}
+    pairs = {("gate-bf16", "gate-rt"), ("gate-f32", "gate-rt-f32"), ("gate-f32", "gate-bf16"), ("base", "q8_0"),
+             ("base", "rt"), ("base", "gate-bf16"), ("gate-f32", "base"), ("base", "gate-rt")}
     sides: dict[tuple[str, str], Side] = {pair: Side([], []) for pair in pairs}
     base_runs: dict[str, list[LogprobRun]] = {}
     models = {name: transformers_logprobs(path, dtype) for name, (path, dtype) in scorers.items()}
@@ -288,7 +288,9 @@ def main() -> None:
             side.runs.append(runs[c])
             # The gate's exact KL where both are full distributions; llama.cpp's sum where one is its file.
             exact = b in models and c in models
-            side.kl.append(kl_per_position(runs[b], runs[c])[1] if exact else llama_kl(dists[b], dists[c]))
+            kl = kl_per_position(runs[b], runs[c])[1] if exact else llama_kl(dists[b], dists[c])
+            assert kl is not None  # full distributions on both sides
+            side.kl.append(kl)
             base_runs.setdefault(f"{b}|{c}", []).append(runs[b])
         print(f"  chunk {chunk + 1}/{base_file.n_chunk}: {time.perf_counter() - started:.0f} s", flush=True)
 
@@ -299,6 +301,7 @@ def main() -> None:
         results[(b, c)] = (cmp, per_position(concat(base_side.runs), concat(side.runs), kl))
 
     print_tables(printed, results)
+    print(f"\nRound trip against llama.cpp's Q8_0 weights: {weight_rounding(args.baseline, args.round_trip)}")
 
 
 def _stat(cmp: LogprobComparison, terms: dict[str, np.ndarray], name: str) -> tuple[float, float]:
@@ -333,23 +336,25 @@ def print_tables(printed: dict[str, dict[str, tuple[float, float]]],
 
     n = next(iter(results.values()))[0].positions
     print(f"\n## Q8_0 against BF16, {n} positions (llama.cpp's scored half of each window)\n")
-    print("| statistic | llama.cpp Q8_0 (printed) | llama.cpp Q8_0 (from its logits files) "
-          "| llama.cpp round trip (printed) | gate, Q8_0 round trip (exact KL) "
-          "| llama.cpp Q8_0 - gate | llama.cpp round trip - gate |")
+    print("| statistic | llama.cpp Q8_0 (printed) | llama.cpp round trip (printed) "
+          "| gate, round trip, BF16 compute | gate, round trip, F32 compute "
+          "| llama.cpp Q8_0 - gate BF16 | llama.cpp round trip - gate F32 |")
     print("|---|---|---|---|---|---|---|")
-    q8_cmp, q8_terms = results[("base", "q8_0")]
-    rt_cmp, rt_terms = results[("base", "rt")]
-    gate_cmp, gate_terms = results[("gate-bf16", "gate-rt")]
+    cells = {key: results[key] for key in (("base", "q8_0"), ("base", "rt"), ("gate-bf16", "gate-rt"),
+                                           ("gate-f32", "gate-rt-f32"))}
     for name in names:
-        gate = _stat(gate_cmp, gate_terms, name)
-        q8 = _stat(q8_cmp, q8_terms, name)
-        rt = _stat(rt_cmp, rt_terms, name)
-        d_q8 = _diff(q8_terms, gate_terms, name, (q8[0], gate[0]))
-        d_rt = _diff(rt_terms, gate_terms, name, (rt[0], gate[0]))
-        print(f"| {name} | {cell(name, printed['q8_0'][name])} | {cell(name, q8)} "
-              f"| {cell(name, printed['rt'][name])} | {cell(name, gate)} "
+        (q8, q8_t), (rt, rt_t), (bf, bf_t), (f32, f32_t) = (
+            (_stat(cmp, terms, name), terms) for cmp, terms in cells.values())
+        d_q8 = _diff(q8_t, bf_t, name, (q8[0], bf[0]))
+        d_rt = _diff(rt_t, f32_t, name, (rt[0], f32[0]))
+        print(f"| {name} | {cell(name, printed['q8_0'][name])} | {cell(name, printed['rt'][name])} "
+              f"| {cell(name, bf)} | {cell(name, f32)} "
               f"| {cell(name, d_q8)} ({d_q8[0] / d_q8[1]:+.1f} SE) "
               f"| {cell(name, d_rt)} ({d_rt[0] / d_rt[1]:+.1f} SE) |")
+    print("\nllama.cpp's figures recomputed from its logits files (16-bit log-probs, as it stores its base):")
+    for key, label in ((("base", "q8_0"), "Q8_0"), (("base", "rt"), "round trip")):
+        cmp, terms = results[key]
+        print(f"- {label}: " + ", ".join(f"{name} {cell(name, _stat(cmp, terms, name))}" for name in names))
 
     print("\n## What separates the two pipelines, measured on the same positions\n")
     print("| pair (base -> other) | mean KL ± SE | same top ± SE | RMS dp ± SE | PPL ratio ± SE |")
@@ -361,7 +366,8 @@ def print_tables(printed: dict[str, dict[str, tuple[float, float]]],
         ("base", "gate-rt"): "llama.cpp BF16 GGUF -> transformers round trip (cross-engine Q8_0 row)",
         ("base", "rt"): "llama.cpp BF16 -> llama.cpp round trip (weights only, BF16 GGUF)",
         ("base", "q8_0"): "llama.cpp BF16 -> llama.cpp Q8_0 (weights and 8-bit activations)",
-        ("gate-bf16", "gate-rt"): "transformers BF16 -> round trip (the gate's row)",
+        ("gate-bf16", "gate-rt"): "transformers BF16 -> round trip, BF16 compute (the gate's row)",
+        ("gate-f32", "gate-rt-f32"): "transformers F32 -> round trip, F32 compute",
     }
     for pair, label in labels.items():
         cmp, terms = results[pair]
