@@ -11,7 +11,7 @@ import pytest
 from fakes import FIELDS_0_33, MODELS, QUESTIONS, FakeModel, fake_engine_class, write_gate
 from pytest_fp8gate.engine import ALL_AT_ONCE, IN_PROCESS_ENV, BatchLayout, Engine
 from pytest_fp8gate.errors import GateError, MeasurementError
-from pytest_fp8gate.gate import Gate
+from pytest_fp8gate.gate import TOPK_BOUND_SHARE, Gate, topk_gap_note
 from pytest_fp8gate.logprobs import TOPK_KL
 from pytest_fp8gate.measure import BATCH_ORDER, Measurements
 from pytest_fp8gate.record import Needs
@@ -261,6 +261,18 @@ def test_without_id_scoring_top_k_falls_back_once_and_the_kl_says_why(tmp_path: 
                              "KL uses the ids each model returned in its own top-k") == 1
     assert _kl_note(found, "bad") == (f"KL(base || candidate) is {TOPK_KL} (on the baseline ids in the candidate's "
                                       f"own top-k; scoring given ids was refused: {reason})")
+
+
+def test_a_bound_from_each_sides_own_top_k_cites_its_measured_share_of_the_exact_kl(tmp_path: Path):
+    (tmp_path / "scored").mkdir(), (tmp_path / "refused").mkdir()
+    scored = measurements(tmp_path / "scored", {"good": PROBABILITIES}, top_k)
+    refused = measurements(tmp_path / "refused", {"good": PROBABILITIES}, top_k,
+                           **REFUSALS["engine refuses it"][0])
+    gap = [Gate(found.config, found).probability(Case("mean_kl", "good")).notes for found in (scored, refused)]
+    assert not any("reads below the exact KL" in note for note in gap[0])  # scored on the baseline's ids
+    note = next(note for note in gap[1] if "reads below the exact KL" in note)
+    assert note == topk_gap_note(5) and f"at top_k 5 it read {TOPK_BOUND_SHARE[5]:.2f}" in note
+    assert topk_gap_note(3) == note and f"top_k 20 it read {TOPK_BOUND_SHARE[20]:.2f}" in topk_gap_note(49)
 
 
 def test_a_release_without_flat_logprobs_is_refused_before_any_engine_starts(tmp_path: Path):
