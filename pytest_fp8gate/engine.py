@@ -131,7 +131,7 @@ class Engine:
         before = lifecycle.starting(spec.name)
         Engine.starts += 1
         try:
-            # After vLLM's import, which configures its loggers and would drop a handler added before.
+            # Collects what vLLM logs while it starts: the phases of the start.
             with timing.vllm_log_lines() as logged:
                 self.llm = LLM(**kwargs)
             self.startup_lines = tuple(logged)

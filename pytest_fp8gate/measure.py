@@ -31,7 +31,7 @@ from .engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine, applied_
 from .errors import ComparisonError, Fp8GateError, IdScoringUnavailable, MeasurementError
 from .logprobs import LogprobRun, check_vocabulary
 from .record import NOISE_STRIDE, BaselineRecord, DecodeResult, ModelResult, Needs, PassResult
-from .spec import BATCH_ORDER_PASS, FP16_PASS, GateConfig, ModelSpec, TaskSpec
+from .spec import BATCH_ORDER_PASS, PRECISION_PASSES, GateConfig, ModelSpec, TaskSpec
 
 if TYPE_CHECKING:
     from .baseline_cache import BaselineCache
@@ -191,7 +191,7 @@ class Measurements:
         """Settings of the baseline's engines that come from the gate rather than the thresholds file."""
         settings = {"max_logprobs": self._max_logprobs(), "full_vocab": self._full_vocab_wanted(),
                     "in_process": self.config.deterministic_scheduling, "noise_stride": NOISE_STRIDE,
-                    "fp16_dtype": "float16"}
+                    **{f"{name}_dtype": dtype for name, dtype in PRECISION_PASSES.items()}}
         served = self.config.baseline.served
         if served is not None:  # issue 20: the whole command line and environment change the numbers
             from .served_engine import cache_key
@@ -318,10 +318,10 @@ class Measurements:
             if BATCH_ORDER_PASS in passes:
                 self._decode_floor(engine, needs, BATCH_ORDER_PASS, BATCH_ORDER)
             self._measure_load(engine, result, needs)
-        if FP16_PASS in passes:
-            with self._running(spec, f"{spec.name}-fp16", dtype="float16") as engine:
-                self._noise[FP16_PASS] = self._passes(engine, spec, needs, FP16_PASS)
-                self._decode_floor(engine, needs, FP16_PASS, ALL_AT_ONCE)
+        for name in (name for name in passes if name in PRECISION_PASSES):
+            with self._running(spec, f"{spec.name}-{name}", dtype=PRECISION_PASSES[name]) as engine:
+                self._noise[name] = self._passes(engine, spec, needs, name)
+                self._decode_floor(engine, needs, name, ALL_AT_ONCE)
         self._write_provenance(spec)
         return BaselineRecord(self._baseline, dict(self._noise), self._chunks, self.id_scoring_refusal,
                               [run for run in self.engine_runs if run["name"] == spec.name],

@@ -269,9 +269,8 @@ class _Gate:
         if complaint:
             terminalreporter.write_line(f"fp8gate: {complaint}", red=True, bold=True)
         verdicts: list[Any] = config.stash.get(VERDICTS_KEY, [])
-        if verdicts:
+        lines = (report_hooks.summary_lines(verdicts) if verdicts else []) + report_hooks.time_lines(config)
+        if lines:  # under their own heading, never run into the last failure's report
             terminalreporter.write_sep("=", "fp8gate summary")
-            for line in report_hooks.summary_lines(verdicts):
+            for line in lines:
                 terminalreporter.write_line(line)
-        for line in report_hooks.time_lines(config):
-            terminalreporter.write_line(line)

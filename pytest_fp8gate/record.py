@@ -18,7 +18,7 @@ from .dumps import read_lm_eval_samples
 from .engine import Latency
 from .logprobs import LogprobRun
 from .rules import LoadLevel
-from .spec import BATCH_ORDER_PASS, FP16_PASS, ModelSpec, TaskSpec
+from .spec import BATCH_ORDER_PASS, FP16_PASS, FP32_PASS, ModelSpec, TaskSpec
 
 # The noise pass re-runs the baseline in one call, as the main pass, but in another order:
 # every NOISE_STRIDE-th request first, reversed, so each request reaches the engine between
@@ -33,6 +33,8 @@ PASS_DESCRIPTIONS = {
     "prompts already in vLLM's prefix cache where it is on (the default), as when lm-eval is re-run against a "
     "live server",
     FP16_PASS: "baseline weights run in float16 in a second engine (BF16 vs FP16, two formats nobody calls lossy)",
+    FP32_PASS: "baseline weights run in float32 in a second engine (BF16 arithmetic against FP32 on the same "
+    "weights: the rounding of BF16 compute itself)",
 }
 
 

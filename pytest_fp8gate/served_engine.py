@@ -26,9 +26,10 @@ from __future__ import annotations
 import logging
 import re
 import statistics as stats
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -233,9 +234,21 @@ def _in_layout(layout: BatchLayout, items: Sequence[Any], send: Callable[[Any], 
     concurrent requests; results in item order. The first failure ends the rest: those not sent are
     cancelled, those in flight at ``client`` aborted, so a hang costs one deadline, not one per request."""
     results: list[Any] = [None] * len(items)
+    failed = threading.Event()
+
+    def send_unless_failed(item: Any) -> T:
+        # Set by the failing worker itself: the request it would pick up next is never sent.
+        if failed.is_set():
+            raise CancelledError
+        try:
+            return send(item)
+        except BaseException:
+            failed.set()
+            raise
+
     for batch in layout.batches(len(items)):
         with ThreadPoolExecutor(max_workers=max(1, min(len(batch), layout.size or MAX_IN_FLIGHT))) as pool:
-            futures = [pool.submit(send, items[i]) for i in batch]
+            futures = [pool.submit(send_unless_failed, items[i]) for i in batch]
             try:
                 for i, future in zip(batch, futures):
                     results[i] = future.result()
@@ -317,7 +330,7 @@ def _local_tokenizer(spec: ModelSpec) -> Any:
 
 
 def _with_dtype(command: Sequence[str], dtype: str | None) -> list[str]:
-    """The serve argv, with ``--dtype`` replaced for the FP16 noise pass."""
+    """The serve argv, with ``--dtype`` replaced for a precision noise pass (fp16, fp32)."""
     argv = list(command)
     if dtype is None:
         return argv

@@ -58,7 +58,10 @@ class ModelSpec:
 # The noise passes a thresholds file may ask for (measure.py runs them, record.py describes them).
 BATCH_ORDER_PASS = "batch-order"
 FP16_PASS = "fp16"
-NOISE_PASSES = (BATCH_ORDER_PASS, FP16_PASS)
+FP32_PASS = "fp32"
+# The passes that rerun the baseline weights in another compute dtype, in a second engine.
+PRECISION_PASSES = {FP16_PASS: "float16", FP32_PASS: "float32"}
+NOISE_PASSES = (BATCH_ORDER_PASS, *PRECISION_PASSES)
 
 
 @dataclass(frozen=True)

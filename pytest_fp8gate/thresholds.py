@@ -23,6 +23,7 @@ from .spec import (
     BATCH_ORDER_PASS,
     CPU_MIN_THROUGHPUT_FRACTION,
     NOISE_PASSES,
+    PRECISION_PASSES,
     WIKITEXT_2,
     DatasetCorpus,
     DecodeLimits,
@@ -197,7 +198,8 @@ def _full_vocab(value: Any) -> bool | str:
 
 def _passes(value: Any) -> list[str]:
     if not isinstance(value, list) or not value:
-        raise _Invalid(f'expected a non-empty array of "batch-order" and/or "fp16", got {_show(value)}')
+        raise _Invalid(f"expected a non-empty array of noise passes ({', '.join(map(repr, NOISE_PASSES))}), "
+                       f"got {_show(value)}")
     check = _text(NOISE_PASSES)
     passes = [check(item) for item in value]
     if len(set(passes)) != len(passes):
@@ -778,11 +780,14 @@ class _Parser:
                                                     f"vocabulary of {vocab} tokens (config.json vocab_size)")
 
     def check_external_noise(self, config: GateConfig) -> None:
-        """The FP16 noise pass restarts the baseline in float16, which only a server the gate starts allows."""
+        """A precision noise pass restarts the baseline in another dtype, which only a server the gate starts
+        allows."""
         served = config.baseline.served
-        if served is not None and not served.managed and "fp16" in config.noise.passes:
-            raise self.error("noise.passes", '"fp16" restarts the baseline in float16, which an external endpoint '
-                                             'cannot do; use ["batch-order"] or a serve command')
+        restarts = [name for name in config.noise.passes if name in PRECISION_PASSES]
+        if served is not None and not served.managed and restarts:
+            dtype = PRECISION_PASSES[restarts[0]]
+            raise self.error("noise.passes", f'"{restarts[0]}" restarts the baseline in {dtype}, which an external '
+                                             'endpoint cannot do; use ["batch-order"] or a serve command')
 
     def check_speed_models(self, config: GateConfig) -> None:
         """Fail now, not at the speed rule, when the roofline has no byte model for a model's settings."""

@@ -52,29 +52,46 @@ def startup_phases(lines: Iterable[str]) -> dict[str, float]:
     return found
 
 
-class _LineCollector(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
+class _VllmRecordTap:
+    """A log-record factory that copies the message of every record a ``vllm`` logger makes.
 
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.lines.append(record.getMessage())
-        except Exception:  # a record that cannot be formatted times nothing
-            pass
+    It taps the factory, not a handler: the first engine start in a process applies vLLM's
+    ``dictConfig``, which replaces the handlers of the ``vllm`` logger but wraps the factory in place.
+    """
+
+    def __init__(self, inner: Callable[..., logging.LogRecord]) -> None:
+        self._inner = inner
+        self.sinks: list[list[str]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = self._inner(*args, **kwargs)
+        if self.sinks and (record.name == "vllm" or record.name.startswith("vllm.")):
+            try:
+                message = record.getMessage()
+            except Exception:  # a record that cannot be formatted times nothing
+                return record
+            for sink in self.sinks:
+                sink.append(message)
+        return record
+
+
+_tap: _VllmRecordTap | None = None
 
 
 @contextlib.contextmanager
 def vllm_log_lines() -> Iterator[list[str]]:
     """The messages vLLM logs in this process while the block runs (an engine core in a child
     process logs elsewhere: its phases are then unknown)."""
-    collector = _LineCollector()
-    logger = logging.getLogger("vllm")
-    logger.addHandler(collector)
+    global _tap
+    if _tap is None:  # installed once per process; idle outside these blocks
+        _tap = _VllmRecordTap(logging.getLogRecordFactory())
+        logging.setLogRecordFactory(_tap)
+    lines: list[str] = []
+    _tap.sinks.append(lines)
     try:
-        yield collector.lines
+        yield lines
     finally:
-        logger.removeHandler(collector)
+        _tap.sinks.remove(lines)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ GENERATION_RULES = frozenset({rule.name for rule in rules.RULES if rule.kind == 
 VOCAB = 259  # bytes, BOS, EOS and one unused id, like the embedded model's
 KV_CACHE_TOKENS = 4096
 BASELINE_ERROR_RATE = 0.2  # every model shares these wrong answers
-FP16_NOISE = 0.004  # the float16 noise engine's own perturbation of the logits
+FP16_NOISE = 0.004  # the float16 noise engine's own perturbation of the logits (float32's: half of it)
 LAYOUT_NOISE = 0.002  # a batch layout other than all at once (the batch-order pass)
 # Decoding reads a "KV cache" that adds this perturbation of its own, so every model's decode differs
 # a little from its prefill (as on GPUs); FakeModel.decode_noise adds a broken cache's on top.
@@ -130,7 +130,7 @@ def _architecture() -> np.ndarray:
 
 
 _ARCHITECTURE = _architecture()
-_FP16 = _noise(16) * FP16_NOISE
+_PRECISION_NOISE = {"float16": _noise(16) * FP16_NOISE, "float32": _noise(32) * FP16_NOISE / 2}
 
 
 def _uniform(*key: object) -> float:
@@ -170,8 +170,8 @@ class FakeEngine(Engine):
         self.vocab_size = VOCAB
         self._logits = np.roll(_ARCHITECTURE + _noise(self.model.seed) * self.model.logit_noise, self.model.id_shift,
                                axis=1)
-        if dtype == "float16":
-            self._logits = self._logits + _FP16
+        if dtype in _PRECISION_NOISE:  # a precision noise pass's engine
+            self._logits = self._logits + _PRECISION_NOISE[dtype]
         self._dtype = dtype
 
     # ---- facts -------------------------------------------------------------
@@ -257,7 +257,7 @@ class FakeEngine(Engine):
         return Generation(self.tokenizer.decode(ids[:max_tokens]), tuple(ids[:max_tokens]), finish_reason)
 
     def _flip_rate(self) -> float:
-        return self.model.flip_rate + (0.03 if self._dtype == "float16" else 0.0)
+        return self.model.flip_rate + (0.03 if self._dtype in _PRECISION_NOISE else 0.0)
 
     def continuation_logprobs(self, prompts: Sequence[Sequence[int]], continuation_lengths: Sequence[int],
                               layout: BatchLayout = ALL_AT_ONCE) -> list[tuple[float, bool]]:

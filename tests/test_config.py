@@ -308,11 +308,12 @@ BAD_INPUTS = {
     ),
     "unknown noise pass": (
         MINIMAL + '[noise]\npasses = ["batch_order"]\n',
-        "noise.passes: expected one of 'batch-order', 'fp16', got string 'batch_order'; did you mean 'batch-order'?",
+        "noise.passes: expected one of 'batch-order', 'fp16', 'fp32', got string 'batch_order'; "
+        "did you mean 'batch-order'?",
     ),
     "no noise pass": (
         MINIMAL + "[noise]\npasses = []\n",
-        'noise.passes: expected a non-empty array of "batch-order" and/or "fp16", got an array',
+        "noise.passes: expected a non-empty array of noise passes ('batch-order', 'fp16', 'fp32'), got an array",
     ),
     "probabilities without limits": (
         MODELS + "[probabilities]\nchunks = 10\n",

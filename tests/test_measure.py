@@ -172,13 +172,15 @@ def test_a_failed_baseline_fails_every_candidate_without_starting_them(tmp_path:
     ('["batch-order", "fp16"]', [("bf16", None), ("bf16", "float16")]),
     ('["batch-order"]', [("bf16", None)]),
     ('["fp16"]', [("bf16", None), ("bf16", "float16")]),
-], ids=["both", "batch-order", "fp16"])
+    ('["batch-order", "fp32"]', [("bf16", None), ("bf16", "float32")]),
+    ('["batch-order", "fp16", "fp32"]', [("bf16", None), ("bf16", "float16"), ("bf16", "float32")]),
+], ids=["both", "batch-order", "fp16", "fp32", "all"])
 def test_the_noise_passes_run_in_the_baseline_engine_or_their_own(tmp_path: Path, passes: str, starts: list):
     found = measurements(tmp_path, {"good": PROBABILITIES},
                          lambda text: text.replace('passes = ["batch-order", "fp16"]', f"passes = {passes}"))
     noise = found.noise()
     assert [(name, dtype) for _, name, dtype in calls(found, "start")] == starts
-    assert list(noise) == [p for p in ("batch-order", "fp16") if p in passes]
+    assert list(noise) == [p for p in ("batch-order", "fp16", "fp32") if p in passes]
     gate = Gate(found.config, found)
     candidate_kl = gate.comparisons.logprobs("good").mean_kl
     for label, run in noise.items():

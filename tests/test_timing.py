@@ -76,6 +76,24 @@ def test_in_process_vllm_log_records_are_collected() -> None:
     assert timing.startup_phases(lines) == pytest.approx({"weight load": 0.06})
 
 
+def test_records_are_still_collected_after_vllm_reconfigures_its_loggers() -> None:
+    """An engine's first start applies a dictConfig that replaces the ``vllm`` logger's handlers."""
+    import logging.config
+
+    vllm_logger = logging.getLogger("vllm")
+    saved = vllm_logger.handlers[:], vllm_logger.level, vllm_logger.propagate
+    try:
+        with timing.vllm_log_lines() as lines:
+            logging.config.dictConfig({"version": 1, "disable_existing_loggers": False,
+                                       "handlers": {"quiet": {"class": "logging.NullHandler"}},
+                                       "loggers": {"vllm": {"handlers": ["quiet"], "level": "INFO",
+                                                            "propagate": False}}})
+            logging.getLogger("vllm.model_executor.model_loader").info(VLLM_032[1])
+    finally:
+        vllm_logger.handlers[:], vllm_logger.level, vllm_logger.propagate = saved
+    assert timing.startup_phases(lines) == pytest.approx({"weight load": 0.06})
+
+
 def test_the_gate_prints_and_reports_where_its_time_went(pytester: pytest.Pytester, fake_gpus) -> None:
     fake_gpus()
     write_gate(pytester.path, task=False)
