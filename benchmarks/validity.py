@@ -304,7 +304,7 @@ def measure_all(config: GateConfig, nulls: int, severities: int,
     base = base_passes["main"]
     floors = [base_passes["batch-order"]]
     floors += [run_engine(baseline, config, manager, {}, scratch, dtype=PRECISION_PASSES[name])["main"]
-               for name in floor_labels(config)[1:]]
+               for name in config.noise.precision_passes]
     builds: list[tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]] = [
         *((f"bf16-reround-{seed}", "null", bf16_reround(seed)) for seed in range(1, nulls + 1)),
         *((f"stretch-{s:g}", "regression", stretched(s)) for s in STRETCHES[:severities]),
@@ -322,11 +322,6 @@ def measure_all(config: GateConfig, nulls: int, severities: int,
         figures.append(judge(name, group, base, measured, floors, config))
         print(f"measured {name}", file=sys.stderr, flush=True)
     return base, floors, figures
-
-
-def floor_labels(config: GateConfig) -> list[str]:
-    """The study's floors: the batch-order pass, then the config's precision passes."""
-    return ["batch-order", *(name for name in config.noise.passes if name in PRECISION_PASSES)]
 
 
 def study_config(model: str, scratch: Path) -> GateConfig:
@@ -361,7 +356,7 @@ def main() -> None:
         Engine.prepare_process(config.deterministic_scheduling)
         base, floors, figures = measure_all(config, args.nulls, args.severities, Path(temp))
 
-    labels = floor_labels(config)
+    labels = ["batch-order", *config.noise.precision_passes]  # measure_all's floors, in its order
     floor_comparisons = [compare_logprobs(base.run, f.run) for f in floors]
     floor_flips = max(count_flips(base, f) for f in floors)
     nulls = [f for f in figures if f.group == "null"]

@@ -318,7 +318,7 @@ class Measurements:
             if BATCH_ORDER_PASS in passes:
                 self._decode_floor(engine, needs, BATCH_ORDER_PASS, BATCH_ORDER)
             self._measure_load(engine, result, needs)
-        for name in (name for name in passes if name in PRECISION_PASSES):
+        for name in self.config.noise.precision_passes if passes else ():
             with self._running(spec, f"{spec.name}-{name}", dtype=PRECISION_PASSES[name]) as engine:
                 self._noise[name] = self._passes(engine, spec, needs, name)
                 self._decode_floor(engine, needs, name, ALL_AT_ONCE)

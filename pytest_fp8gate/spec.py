@@ -70,6 +70,11 @@ class NoiseSpec:
     # The candidate against itself (its own floor, beside the baseline's); none by default.
     candidate_passes: tuple[str, ...] = ()
 
+    @property
+    def precision_passes(self) -> tuple[str, ...]:
+        """The passes that restart the baseline in another dtype, in the file's order."""
+        return tuple(name for name in self.passes if name in PRECISION_PASSES)
+
 
 @dataclass(frozen=True)
 class DatasetCorpus:

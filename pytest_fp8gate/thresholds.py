@@ -783,7 +783,7 @@ class _Parser:
         """A precision noise pass restarts the baseline in another dtype, which only a server the gate starts
         allows."""
         served = config.baseline.served
-        restarts = [name for name in config.noise.passes if name in PRECISION_PASSES]
+        restarts = config.noise.precision_passes
         if served is not None and not served.managed and restarts:
             dtype = PRECISION_PASSES[restarts[0]]
             raise self.error("noise.passes", f'"{restarts[0]}" restarts the baseline in {dtype}, which an external '
