@@ -93,6 +93,12 @@ def main() -> int:
     parser.add_argument("--gate-k", default="",
                         help="the shape and served gates' -k expression (e.g. 'speed or load': what each engine "
                              "measures follows the selected rules, so a run that needs only speed starts sooner)")
+    parser.add_argument("--candidates", default="fp8-per-channel,fp8-dynamic",
+                        help="shape part: the FP8 candidates gated (online fp8_per_channel, the project's "
+                             "fp8-dynamic checkpoint); a large MoE shape may leave the online one out")
+    parser.add_argument("--bf16-dir", type=Path, default=None,
+                        help="shape part: where the random BF16 checkpoint is written (default under --workdir); "
+                             "a 30B shape and its FP8 copy do not fit one 64 GiB disk, /dev/shm may hold one")
     parser.add_argument("--skip-bench-latency", action="store_true",
                         help="shape part: leave out the vllm bench latency comparison")
     args = parser.parse_args()
@@ -230,15 +236,15 @@ def _shape(args: argparse.Namespace) -> list[str]:
     workdir = args.workdir / "shape"
     workdir.mkdir(parents=True, exist_ok=True)
     lines = []
-    bf16, fp8 = workdir / "bf16", workdir / "fp8-dynamic"
+    bf16, fp8 = args.bf16_dir or workdir / "bf16", workdir / "fp8-dynamic"
     started = time.perf_counter()
     if not (bf16 / RANDOM_MARKER).is_file():
         write_random_checkpoint(args.shape, bf16, device=args.device)
     written = time.perf_counter()
-    if not (fp8 / QUANTIZED_MARKER).is_file():
+    if "fp8-dynamic" in args.candidates.split(",") and not (fp8 / QUANTIZED_MARKER).is_file():
         write_fp8_checkpoint(bf16, fp8, "fp8-dynamic", device=args.device)
     quantized = time.perf_counter()
-    base_roof, fp8_roof = estimate_from_path(bf16), estimate_from_path(fp8)
+    base_roof, fp8_roof = estimate_from_path(bf16), estimate_from_path(fp8 if fp8.is_dir() else bf16)
     lines.append(f"(b) {args.shape} with random BF16 weights written in {written - started:.0f} s: "
                  f"{base_roof.weight_bytes / 1e9:.2f} GB, {base_roof.bytes_per_token / 1e9:.2f} GB read a token")
     lines.append(f"(d) compressed-tensors FP8-dynamic written by the project in {quantized - written:.0f} s: "
@@ -251,7 +257,7 @@ def _shape(args: argparse.Namespace) -> list[str]:
                str(workdir), "--fp8gate-artifacts", str(workdir / "artifacts"), "-p", "no:cacheprovider",
                "-p", "no:randomly", "-rfEs", "--json-report", f"--json-report-file={report}", *_selection(args)]
     code, seconds = _run(command, workdir / "gate.log", 1500)
-    lines.append(f"    gate on it (BF16, batch-order noise, online fp8_per_channel, the fp8-dynamic checkpoint): "
+    lines.append(f"    gate on it (BF16, batch-order noise, candidates {args.candidates}): "
                  f"pytest exit {code} in {seconds:.0f} s (log {workdir / 'gate.log'})")
     lines += _rule_table(report)
     lines += _pass_lines(workdir / "gate.log")
@@ -283,12 +289,19 @@ def _shape_config(args: argparse.Namespace, workdir: Path, bf16: Path, fp8: Path
         "[probabilities.limits]", *(f"{key} = {value}" for key, value in Q8_0_LIMITS.items()),
         "[speed]", f"input_len = {args.input_len}", f"output_len = {args.output_len}", "batch_size = 1",
         "warmup_iters = 3", f"iters = {args.iters}", speed_device,
-        "[[candidates]]", 'name = "fp8-per-channel"', 'quantization = "fp8_per_channel"',
-        "[[candidates]]", 'name = "fp8-dynamic"', f'model = "{fp8}"',
+        *_candidate_lines(args.candidates.split(","), fp8),
     ]) + "\n"
     path = workdir / "thresholds.toml"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def _candidate_lines(names: list[str], fp8: Path) -> list[str]:
+    known = {"fp8-per-channel": 'quantization = "fp8_per_channel"', "fp8-dynamic": f'model = "{fp8}"'}
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise SystemExit(f"--candidates: unknown {', '.join(unknown)}; expected some of {', '.join(known)}")
+    return [line for name in names for line in ("[[candidates]]", f'name = "{name}"', known[name])]
 
 
 def _verdicts(report: Path) -> dict[tuple[str, str], dict[str, Any]]:
@@ -389,7 +402,7 @@ def _truth(args: argparse.Namespace) -> list[str]:
     workdir.mkdir(parents=True, exist_ok=True)
     assets = embedded_assets()
     fp8 = workdir / "fp8-dynamic"
-    if not (fp8 / QUANTIZED_MARKER).is_file():
+    if "fp8-dynamic" in args.candidates.split(",") and not (fp8 / QUANTIZED_MARKER).is_file():
         write_fp8_checkpoint(assets.model, fp8, "fp8-dynamic", device=args.device)
     config = _truth_config(args, workdir, fp8)
     report, artifacts = workdir / "report.json", workdir / "artifacts"

@@ -43,7 +43,10 @@ SCHEMES = {
     "fp8-static": Scheme("fp8-static", "tensor", False,
                          "per-tensor E4M3 weights, static per-tensor activation scales from calibration"),
 }
-_NOT_QUANTIZED = ("embed_tokens", "lm_head")
+# An MoE router ("mlp.gate", beside the experts' gate_proj) stays BF16, as vLLM builds it and as
+# llm-compressor's FP8 recipes for Qwen3-MoE leave it: its scores pick the experts.
+_NOT_QUANTIZED = ("embed_tokens", "lm_head", "gate")
+ROUTER_PATTERN = "re:.*mlp[.]gate$"
 CALIBRATION_PIECES = 16
 CALIBRATION_CHARS = 4096  # a piece is cut to 2,048 tokens anyway (activation_scales)
 
@@ -53,8 +56,9 @@ def calibration_pieces(text: str) -> list[str]:
     return [text[i:i + CALIBRATION_CHARS] for i in range(0, len(text), CALIBRATION_CHARS)][:CALIBRATION_PIECES]
 
 
-def quantization_config(scheme: Scheme) -> dict[str, Any]:
-    """The compressed-tensors ``quantization_config`` block for config.json."""
+def quantization_config(scheme: Scheme, *, has_router: bool = False) -> dict[str, Any]:
+    """The compressed-tensors ``quantization_config`` block for config.json (an MoE model's
+    routers listed as left unquantized)."""
     activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": scheme.dynamic_activations,
                    "strategy": "token" if scheme.dynamic_activations else "tensor",
                    "observer": None if scheme.dynamic_activations else "minmax"}
@@ -66,13 +70,13 @@ def quantization_config(scheme: Scheme) -> dict[str, Any]:
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                       "input_activations": activations, "output_activations": None}},
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", ROUTER_PATTERN] if has_router else ["lm_head"],
         "kv_cache_scheme": None,
     }
 
 
 def is_quantized_weight(name: str, shape: tuple[int, ...]) -> bool:
-    """A decoder linear layer's matrix: 2-D, not an embedding or the lm_head."""
+    """A decoder linear layer's matrix: 2-D, not an embedding, the lm_head or an MoE router."""
     module = name.rpartition(".")[0]
     return name.endswith(".weight") and len(shape) == 2 and module.rpartition(".")[2] not in _NOT_QUANTIZED
 
@@ -165,7 +169,8 @@ def write_fp8_checkpoint(source: Path, dest: Path, scheme_name: str, *, calibrat
             if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in (
                     "config.json", "model.safetensors.index.json", MARKER):
                 shutil.copy2(extra, work / extra.name)
-        config["quantization_config"] = quantization_config(scheme)
+        has_router = any(name.endswith(".mlp.gate.weight") for name in weight_map)
+        config["quantization_config"] = quantization_config(scheme, has_router=has_router)
         (work / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
         (work / MARKER).write_text(json.dumps({"source": str(source), "scheme": scheme.name}), encoding="utf-8")
     return dest

@@ -119,3 +119,15 @@ def test_quantize_cli_writes_a_loadable_layout(tmp_path: Path, capsys: pytest.Ca
     assert fp8gate_main(["quantize", str(embedded_assets().model), str(tmp_path / "q")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "q")
     assert (tmp_path / "q" / fp8_writer.MARKER).is_file()
+
+
+def test_moe_checkpoint_quantizes_the_experts_and_keeps_the_router(tmp_path: Path):
+    assert fp8gate_main(["random-checkpoint", "qwen3-moe-tiny", str(tmp_path / "bf16")]) == 0
+    dest = write_fp8_checkpoint(tmp_path / "bf16", tmp_path / "fp8", "fp8-dynamic")
+    header = {name: entry for shard in sorted(dest.glob("*.safetensors")) for name, entry in read_header(shard).items()}
+    expert = "model.layers.0.mlp.experts.0.gate_proj"
+    assert header[f"{expert}.weight"]["dtype"] == "F8_E4M3" and f"{expert}.weight_scale" in header
+    assert header["model.layers.0.mlp.gate.weight"]["dtype"] == "BF16"
+    assert "model.layers.0.mlp.gate.weight_scale" not in header
+    config = json.loads((dest / "config.json").read_text())
+    assert fp8_writer.ROUTER_PATTERN in config["quantization_config"]["ignore"]
