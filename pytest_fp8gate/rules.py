@@ -87,6 +87,9 @@ class RuleOutcome:
             "limit": self.limit,
             "margin": self.margin,
             "rows": [[label, value] for label, value in self.rows],
+            "limit_key": self.limit_key,
+            "figures": dict(self.figures),
+            "bound_by": self.bound_by,
         }
 
 

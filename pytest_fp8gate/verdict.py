@@ -57,7 +57,7 @@ class Verdict:
 
     def as_dict(self) -> dict[str, Any]:
         return {"candidate": self.case.candidate, "task": self.case.task, **self.outcome.as_dict(),
-                "notes": list(self.notes), "details": self.details, "limit_key": self.limit,
+                "notes": list(self.notes), "details": self.details, "setting": self.limit,
                 "recompute": self.recompute, "served": self.served}
 
 

@@ -154,7 +154,8 @@ def test_a_candidate_as_fast_as_its_baseline_passes_with_every_level_side_by_sid
     result, verdict = _gate(pytester, Knobs(), Knobs(kv_blocks=128), loose)
     result.assert_outcomes(passed=1)
     result.stdout.re_match_lines([r"^load +fp8 +- +[\d.]+ +0.3 +\+[\d.]+ +pass$"])  # the summary's line
-    assert verdict["rule"] == "load" and verdict["limit_key"].endswith("load.min_throughput_fraction = 0.3")
+    assert verdict["rule"] == "load" and verdict["setting"].endswith("load.min_throughput_fraction = 0.3")
+    assert verdict["limit_key"] == "min_throughput_fraction" and "figures" in verdict and "bound_by" in verdict
     levels, base = verdict["details"]["levels"], verdict["details"]["baseline_levels"]
     assert [level["concurrency"] for level in levels] == [1, 4] == [level["concurrency"] for level in base]
     assert all(math.isfinite(level[k]) for level in levels + base for k in ("output_tok_s", "ttft_p99_s", "tpot_p99_s"))
@@ -176,7 +177,8 @@ def test_a_first_token_slower_than_the_slo_fails_the_rule_by_its_setting(pyteste
     slo = LOAD.replace("input_len = 16", "input_len = 16\nmax_ttft_p99_s = 0.1")
     result, verdict = _gate(pytester, Knobs(first_token_s=0.15), Knobs(first_token_s=0.15), slo)
     result.assert_outcomes(failed=1)
-    assert verdict["limit_key"].endswith("load.max_ttft_p99_s = 0.1") and verdict["measured"] >= 0.15
+    assert verdict["setting"].endswith("load.max_ttft_p99_s = 0.1") and verdict["measured"] >= 0.15
+    assert verdict["limit_key"] == "max_ttft_p99_s"
     result.stdout.fnmatch_lines(["*failed at concurrency * by load.max_ttft_p99_s*"])
 
 

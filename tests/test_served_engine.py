@@ -202,7 +202,7 @@ def test_the_load_rule_judges_every_level_of_the_real_servers(gates: dict) -> No
             assert all(level[name] > 0 and math.isfinite(level[name]) for level in levels
                        for name in ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"))
         assert details["kv_cache_tokens"] > 0 and details["baseline_kv_cache_tokens"] > 0
-        assert verdict["limit_key"].endswith(f"load.min_throughput_fraction = {CPU_MIN_THROUGHPUT_FRACTION:g}")
+        assert verdict["setting"].endswith(f"load.min_throughput_fraction = {CPU_MIN_THROUGHPUT_FRACTION:g}")
         assert any(note.startswith("c=2, 4 requests: output tok/s baseline") for note in verdict["notes"])
 
 
