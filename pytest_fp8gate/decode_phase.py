@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .buckets import sequence_positions
 from .errors import ComparisonError
 from .logprobs import TOPK_KL, LogprobComparison, LogprobRun, compare_logprobs, logprobs_on_base_ids
 
@@ -148,17 +149,20 @@ class DecodeComparison:
         return self.logprobs.mean_kl
 
 
-def compare_decode(base: DecodeRun, cand: LogprobRun) -> DecodeComparison:
+def compare_decode(base: DecodeRun, cand: LogprobRun, edges: Sequence[int] | None = None) -> DecodeComparison:
     """``base``'s log-probs against ``cand``'s on the same generated tokens.
 
     ``cand`` is a candidate's prefill of the baseline's ids, or, for the gap of
-    one model, its own prefill of its own decode run's ids.
+    one model, its own prefill of its own decode run's ids. With ``edges`` the
+    probability figures are also given per position bucket (a generated token's
+    position is its prompt's length plus its index in the continuation).
     """
     if cand.positions != base.logprobs.positions:
         raise ComparisonError(f"{base.logprobs.positions} generated positions but {cand.positions} scored")
     if cand.positions == 0:
         raise ComparisonError("no generated positions to compare (every continuation is empty)")
-    comparison = compare_logprobs(base.logprobs, cand)
+    positions = None if edges is None else sequence_positions([len(p) for p in base.prompts], base.lengths)
+    comparison = compare_logprobs(base.logprobs, cand, positions, edges or ())
     reverse_kind, reverse = reverse_kl_per_position(base.logprobs, cand)
     acceptance_kind, acceptance = acceptance_per_position(base.logprobs, cand)
     departures = first_departures(base, cand)

@@ -207,6 +207,16 @@ def _passes(value: Any) -> list[str]:
     return passes
 
 
+def _bucket_edges(value: Any) -> tuple[int, ...]:
+    """Where position buckets start, in tokens: rising positive integers (0 is implied)."""
+    expected = "an array of rising positive integers (token positions where a bucket starts), e.g. [1024, 4096]"
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
+        raise _Invalid(f"expected {expected}, got {_show(value)}")
+    if any(b <= a for a, b in zip(value, value[1:])):
+        raise _Invalid(f"expected {expected}, got {value}")
+    return tuple(value)
+
+
 def _candidate_passes(value: Any) -> list[str]:
     if not isinstance(value, list):
         raise _Invalid(f'expected an array, [] or ["batch-order"], got {_show(value)}')
@@ -256,6 +266,8 @@ _PROBABILITY_CHECKS = {
     "chunk_tokens": _integer(2),  # one scored position needs two tokens
     "top_k": _integer(1),
     "full_vocab": _full_vocab,
+    "bucket_edges": _bucket_edges,
+    "min_bucket_positions": _integer(1),
 }
 _PROBABILITY_KEYS = (*_PROBABILITY_CHECKS, "corpus", "limits")
 _PROBABILITY_RULE_NAMES = tuple(rule.name for rule in RULES if rule.kind == "probability")
@@ -279,6 +291,7 @@ _PROBABILITY_LIMIT_CHECKS = {
     "max_ppl_ratio": _RATIO,
     "floor_ratio": _floor_ratio,
     "limit_se": _number(0),
+    "per_bucket": _boolean,
 }
 _PROBABILITY_METRIC_LIMITS = tuple(rule.limit_key for rule in RULES if rule.kind == "probability")
 _TASK_CHECKS = {
