@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fakes import FakeModel, fake_engine_class, logprob_run, write_gate
-from pytest_fp8gate import rules
+from pytest_fp8gate import markdown_report, rules
 from pytest_fp8gate.buckets import bucket_label, buckets_of, chunk_positions, sequence_positions
 from pytest_fp8gate.cases import cases_for
 from pytest_fp8gate.errors import ComparisonError, ConfigError, GateError
@@ -163,3 +163,38 @@ def test_each_bucket_s_figures_are_the_comparison_of_its_rows_alone() -> None:
         alone = compare_logprobs(_rows(base, mask), _rows(cand, mask))
         assert bucket.comparison.as_dict() == alone.as_dict()
     assert compare_logprobs(base, cand).as_dict() == {**whole.as_dict(), "buckets": []}
+
+
+def test_the_report_shows_every_model_s_figures_per_bucket_with_or_without_the_bucket_rule(tmp_path: Path) -> None:
+    gate = _gate(tmp_path, per_bucket=False)
+    verdicts = [gate.evaluate(Case("mean_kl", name)) for name in MODELS]
+    lines = markdown_report._bucket_lines([v for v in verdicts if v.case.candidate == "drift"])
+    assert lines[0].startswith("Probabilities per position bucket (positions in tokens; the whole: 1197 positions")
+    rows = [line for line in lines if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split("|")[1].strip() for row in rows] == ["0-100", "100-200", "200-300", "300+"]
+    kl = {row.split("|")[1].strip(): float(row.split("|")[5]) for row in rows}
+    assert kl["0-100"] == kl["100-200"] == kl["200-300"] == 0.0 < kl["300+"]  # the plant starts at 300
+    # The JSON carries them too: the verdict's comparison and each floor's.
+    data = verdicts[0].as_dict()
+    assert len(data["details"]["comparison"]["buckets"]) == 4
+    assert all(len(floor["buckets"]) == 4 for floor in data["details"]["noise_floor"].values())
+
+
+DECODE = "[decode]\nprompts = 3\nprompt_tokens = 250\nnew_tokens = 100\n[decode.limits]\nmax_mean_kl = 0.001355\n"
+
+
+def test_the_decode_phase_figures_come_per_bucket_of_generated_positions(tmp_path: Path) -> None:
+    def edit(text: str) -> str:
+        text = _edit()(text)
+        return text.replace("[[candidates]]", DECODE + "\n[[candidates]]", 1)
+    config = load_config(write_gate(tmp_path, edit, task=False))
+    needs = {"drift": Needs(probabilities=True, decode=True)}
+    gate = Gate(config, Measurements(config, tmp_path / "artifacts", needs, lambda line: None, None,
+                                     fake_engine_class(MODELS)))
+    verdict = gate.evaluate(Case("decode_mean_kl", "drift"))
+    buckets = verdict.details["comparison"]["logprobs"]["buckets"]
+    # Generated positions 250..349: the 200-300 bucket (the decode noise alone, before the plant starts) and 300+.
+    assert [(b["bucket"], b["positions"]) for b in buckets] == [("200-300", 150), ("300+", 150)]
+    assert buckets[0]["mean_kl"] < 0.1 * buckets[1]["mean_kl"]
+    assert any(line.startswith("Decode phase (baseline's continuations) per position bucket")
+               for line in markdown_report._bucket_lines([verdict]))
