@@ -50,7 +50,7 @@ enforce_eager = true
 kv_cache_memory_bytes = 1073741824
 
 [noise]
-passes = ["batch-order", "fp16"]
+passes = {passes}
 
 [probabilities]
 corpus = "{corpus}"
@@ -84,14 +84,23 @@ def candidate_name(theta: float) -> str:
     return "rope-null" if theta == CHECKPOINT_THETA else f"rope-theta-{theta:g}"
 
 
-def gate_config(directory: Path) -> GateConfig:
+def gate_config(directory: Path, thetas: tuple[float, ...] = (CHECKPOINT_THETA, *PLANTS),
+                passes: str = '["batch-order", "fp16"]') -> GateConfig:
+    """The thresholds file above with one candidate per RoPE base in ``thetas``, loaded."""
     assets = embedded_assets()
-    text = CONFIG.format(model=assets.model.as_posix(), corpus=assets.corpus.as_posix())
-    for theta in (CHECKPOINT_THETA, *PLANTS):
+    text = CONFIG.format(model=assets.model.as_posix(), corpus=assets.corpus.as_posix(), passes=passes)
+    for theta in thetas:
         text += CANDIDATE.format(name=candidate_name(theta), model=assets.model.as_posix(), theta=theta)
     path = directory / "thresholds.toml"
     path.write_text(text)
     return load_config(path)
+
+
+def q8_row_only(config: GateConfig) -> GateConfig:
+    """The same limits without floor_ratio: llama.cpp's Q8_0 row alone."""
+    assert config.probabilities is not None
+    limits = dataclasses.replace(config.probabilities.limits, floor_ratio=None)
+    return dataclasses.replace(config, probabilities=dataclasses.replace(config.probabilities, limits=limits))
 
 
 def bucket_table(title: str, comparison: LogprobComparison) -> list[str]:
@@ -111,9 +120,9 @@ def judge(gate: Gate, names: list[str]) -> list[str]:
         for metric in METRICS:
             whole = gate.evaluate(Case(metric, name))
             bucket = gate.evaluate(Case(rules.BUCKET_PREFIX + metric, name))
-            lines.append(f"  {name:<18} {metric:<10} {whole.outcome.measured:>12.6g} {whole.outcome.limit:>10.4g} "
+            lines.append(f"  {name:<18} {metric:<10} {whole.outcome.measured:>12.6g} {whole.outcome.limit:>10.7g} "
                          f"{'pass' if whole.passed else 'FAIL':>7} | {bucket.outcome.measured:>12.6g} "
-                         f"{bucket.details['bucket']:>6} {bucket.outcome.limit:>10.4g} "
+                         f"{bucket.details['bucket']:>6} {bucket.outcome.limit:>10.7g} "
                          f"{'pass' if bucket.passed else 'FAIL':>7}")
     return lines
 
@@ -141,11 +150,8 @@ def main() -> None:
                  "position x the frequency difference)", "",
                  "Judged with the demo's limits (Q8_0 row, limit_se 1, floor_ratio mean_kl = 20):"]
         lines += judge(gate, names)
-        assert config.probabilities is not None
-        limits = dataclasses.replace(config.probabilities.limits, floor_ratio=None)
-        q8_only = dataclasses.replace(config, probabilities=dataclasses.replace(config.probabilities, limits=limits))
         lines += ["", "Judged with llama.cpp's Q8_0 row alone (no floor_ratio; limit_se 1):"]
-        lines += judge(Gate(q8_only, measurements), names)
+        lines += judge(Gate(q8_row_only(config), measurements), names)
         lines += ["", "Figures per position bucket (the same in report.md and the JSON):"]
         for label, floor in gate.comparisons.logprob_floors().items():
             lines += bucket_table(f"noise pass {label} (the floor)", floor)

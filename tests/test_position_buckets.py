@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fakes import FakeModel, fake_engine_class, logprob_run, write_gate
+from fakes import FakeModel, fake_engine_class, logprob_run, thresholds_text, write_gate
 from pytest_fp8gate import markdown_report, rules
 from pytest_fp8gate.buckets import bucket_label, buckets_of, chunk_positions, sequence_positions
 from pytest_fp8gate.cases import cases_for
@@ -198,3 +198,33 @@ def test_the_decode_phase_figures_come_per_bucket_of_generated_positions(tmp_pat
     assert buckets[0]["mean_kl"] < 0.1 * buckets[1]["mean_kl"]
     assert any(line.startswith("Decode phase (baseline's continuations) per position bucket")
                for line in markdown_report._bucket_lines([verdict]))
+
+
+def test_chunk_tokens_max_model_len_takes_the_least_context_of_the_models(tmp_path: Path) -> None:
+    def edit(text: str, candidate_len: str = "") -> str:
+        text = text.replace("chunk_tokens = 400", 'chunk_tokens = "max_model_len"')
+        return text.replace('name = "bad"\nquantization = "fp8_per_channel"\n',
+                            f'name = "bad"\nquantization = "fp8_per_channel"\n{candidate_len}', 1)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    # The baseline's engine.max_model_len, 2,048, less the token vLLM generates after a scored prompt.
+    spec = load_config(write_gate(tmp_path / "a", edit, task=False)).probabilities
+    assert spec is not None and spec.chunk_tokens == 2047
+    spec = load_config(write_gate(tmp_path / "b", lambda t: edit(t, "engine = { max_model_len = 1024 }\n"),
+                                  task=False)).probabilities
+    assert spec is not None and spec.chunk_tokens == 1023
+
+
+def test_chunk_tokens_takes_a_number_or_max_model_len_only(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r'probabilities\.chunk_tokens: expected an integer >= 2 or "max_model_len", '
+                                          r"got string 'longest'"):
+        load_config(write_gate(tmp_path, lambda t: t.replace("chunk_tokens = 400", 'chunk_tokens = "longest"'),
+                               task=False))
+
+
+def test_chunk_tokens_max_model_len_needs_each_model_s_context(tmp_path: Path) -> None:
+    path = tmp_path / "thresholds.toml"
+    path.write_text(thresholds_text('[probabilities]\nchunk_tokens = "max_model_len"\n[probabilities.limits]\n'
+                                    "max_mean_kl = 0.01"))
+    with pytest.raises(ConfigError, match=r'probabilities\.chunk_tokens: "max_model_len" needs the context of each '
+                                          r"model, but bf16 has no engine\.max_model_len"):
+        load_config(path)
