@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from .buckets import sequence_positions
+from .buckets import buckets_of, sequence_positions
 from .errors import ComparisonError
 from .logprobs import TOPK_KL, LogprobComparison, LogprobRun, compare_logprobs, logprobs_on_base_ids
 
@@ -130,6 +130,8 @@ class DecodeComparison:
     departed: int  # continuations where the candidate's greedy choice departs
     mean_first_departure: float
     first_departures: tuple[int | None, ...]
+    # The additions per position bucket (issue 34), by the bucket labels of ``logprobs.buckets``.
+    bucket_additions: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         # The nested comparison serialises itself: its per-position KL array stays out of the JSON.
@@ -167,6 +169,10 @@ def compare_decode(base: DecodeRun, cand: LogprobRun, edges: Sequence[int] | Non
     acceptance_kind, acceptance = acceptance_per_position(base.logprobs, cand)
     departures = first_departures(base, cand)
     censored = [d if d is not None else n for d, n in zip(departures, base.lengths)]
+    additions = {} if positions is None else {
+        label: {"mean_reverse_kl": _mean(None if reverse is None else reverse[mask]),
+                "acceptance_rate": _mean(None if acceptance is None else acceptance[mask])}
+        for label, _, _, mask in buckets_of(positions, edges or ())}
     return DecodeComparison(
         sequences=len(base.generated),
         logprobs=comparison,
@@ -179,6 +185,7 @@ def compare_decode(base: DecodeRun, cand: LogprobRun, edges: Sequence[int] | Non
         departed=sum(d is not None for d in departures),
         mean_first_departure=float(np.mean(censored)),
         first_departures=tuple(departures),
+        bucket_additions=additions,
     )
 
 

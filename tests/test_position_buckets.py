@@ -196,6 +196,11 @@ def test_the_decode_phase_figures_come_per_bucket_of_generated_positions(tmp_pat
     # Generated positions 250..349: the 200-300 bucket (the decode noise alone, before the plant starts) and 300+.
     assert [(b["bucket"], b["positions"]) for b in buckets] == [("200-300", 150), ("300+", 150)]
     assert buckets[0]["mean_kl"] < 0.1 * buckets[1]["mean_kl"]
+    # The decode phase's additions per bucket too: reverse KL grows with the plant, acceptance falls.
+    additions = verdict.details["comparison"]["bucket_additions"]
+    assert list(additions) == ["200-300", "300+"]
+    assert additions["200-300"]["mean_reverse_kl"] < 0.1 * additions["300+"]["mean_reverse_kl"]
+    assert additions["200-300"]["acceptance_rate"] > additions["300+"]["acceptance_rate"]
     assert any(line.startswith("Decode phase (baseline's continuations) per position bucket")
                for line in markdown_report._bucket_lines([verdict]))
 
