@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +138,7 @@ class Gate:
         notes.insert(0, f"worst bucket {bucket.label} (positions {bucket.label} of each sequence); whole chunk "
                         f"{metric} = {_number(whole)} over {comparison.positions} positions")
         return self._probability_verdict(case, metric, outcome, comparison, floors, tuple(notes),
-                                         {"bucket": bucket.label})
+                                         {"bucket": bucket.label}, (spec.chunk_tokens, spec.bucket_edges))
 
     def _bounded(self, rule: rules.Rule, metric: str, comparison: LogprobComparison,
                  floors: Mapping[str, LogprobComparison]) -> tuple[RuleOutcome, dict[str, Any]]:
@@ -171,13 +171,14 @@ class Gate:
 
     def _probability_verdict(self, case: Case, metric: str, outcome: RuleOutcome, comparison: LogprobComparison,
                              floors: Mapping[str, LogprobComparison], notes: tuple[str, ...],
-                             extra: Mapping[str, Any] | None = None) -> Verdict:
+                             extra: Mapping[str, Any] | None = None,
+                             buckets: tuple[int, Sequence[int]] | None = None) -> Verdict:
         assert self.config.probabilities is not None
         limits = self.config.probabilities.limits
         details = {"comparison": comparison.as_dict(),
                    "noise_floor": {label: c.as_dict() for label, c in floors.items()}, **(extra or {})}
         recompute = compare_logprobs_command(self.measurements.baseline().main,
-                                             self.measurements.candidate(case.candidate).main)
+                                             self.measurements.candidate(case.candidate).main, buckets)
         setting = limits.floor_ratio_for(metric) if outcome.limit_key == self._floor_key(metric) \
             else getattr(limits, outcome.limit_key)
         limit = self._limit(f"probabilities.limits.{outcome.limit_key}", setting)

@@ -4,13 +4,15 @@ the whole-chunk mean passes. Through the fake engine; no vLLM."""
 
 from __future__ import annotations
 
+import json
+import shlex
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fakes import FakeModel, fake_engine_class, logprob_run, thresholds_text, write_gate
-from pytest_fp8gate import markdown_report, rules
+from pytest_fp8gate import cli, markdown_report, rules
 from pytest_fp8gate.buckets import bucket_label, buckets_of, chunk_positions, sequence_positions
 from pytest_fp8gate.cases import cases_for
 from pytest_fp8gate.errors import ComparisonError, ConfigError, GateError
@@ -233,3 +235,13 @@ def test_chunk_tokens_max_model_len_needs_each_model_s_context(tmp_path: Path) -
     with pytest.raises(ConfigError, match=r'probabilities\.chunk_tokens: "max_model_len" needs the context of each '
                                           r"model, but bf16 has no engine\.max_model_len"):
         load_config(path)
+
+
+def test_the_bucket_verdict_s_recompute_command_gives_its_bucket_s_figure(judged, capsys) -> None:
+    verdict = judged["bucket_mean_kl", "drift"]
+    assert verdict.recompute is not None and verdict.recompute.endswith("--chunk-tokens 400 --bucket-edges 100,200,300")
+    assert cli.main([*shlex.split(verdict.recompute)[1:], "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    worst = next(b for b in figures["buckets"] if b["bucket"] == "300+")
+    assert worst["mean_kl"] == pytest.approx(verdict.outcome.measured, rel=1e-6)
+    assert judged["mean_kl", "drift"].recompute.split()[-1].endswith("logprobs.npz")  # the whole chunk's: no buckets
