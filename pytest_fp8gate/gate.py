@@ -135,7 +135,7 @@ class Gate:
             outcome, rows=(("bucket start", bucket.start), ("bucket positions", bucket.comparison.positions),
                            ("whole chunk", whole), *outcome.rows),
             figures={**outcome.figures, "bucket_start": bucket.start, "whole_chunk": whole})
-        notes.insert(0, f"worst bucket {bucket.label} (positions {bucket.label} of each sequence); whole chunk "
+        notes.insert(0, f"worst bucket {bucket.label} (token positions in each sequence); whole chunk "
                         f"{metric} = {_number(whole)} over {comparison.positions} positions")
         return self._probability_verdict(case, metric, outcome, comparison, floors, tuple(notes),
                                          {"bucket": bucket.label}, (spec.chunk_tokens, spec.bucket_edges))
