@@ -49,6 +49,8 @@ def _cases(rule: rules.Rule, config: GateConfig) -> list[Case]:
     else:
         limits = config.probabilities.limits if config.probabilities else None
     wanted = limits is not None and getattr(limits, rule.limit_key) is not None
+    if rule.kind == "bucket":
+        wanted = wanted and limits.per_bucket
     return [Case(rule.name, c.name) for c in config.candidates] if wanted else []
 
 
@@ -58,7 +60,7 @@ def needs_of(cases: list[Case]) -> dict[str, Needs]:
     for case in cases:
         kind = rules.BY_NAME[case.rule].kind
         need = Needs(
-            probabilities=kind == "probability",
+            probabilities=kind in ("probability", "bucket"),
             tasks=frozenset([case.task]) if case.task else frozenset(),
             speed=kind == "speed",
             decode=kind == "decode",

@@ -24,6 +24,7 @@ from typing import Any
 
 from . import hardware, roofline
 from .answers import compare_answers
+from .buckets import DEFAULT_EDGES, chunk_positions
 from .dumps import dump_run_id, read_lm_eval_samples, read_logprob_dump, samples_run_id
 from .errors import CommandError, ComparisonError, Fp8GateError
 from .logprobs import compare_logprobs
@@ -69,6 +70,10 @@ def _same_run(base: str, cand: str, run_id: Callable[[str], str | None]) -> None
                            "artifacts of two different runs are not compared")
 
 
+def _kl(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6f}"
+
+
 def _pct(fraction: float, digits: int = 3) -> str:
     return f"{100 * fraction:.{digits}f}%"
 
@@ -85,8 +90,24 @@ def _add_compare_logprobs(subparsers: Any) -> None:
     )
     parser.add_argument("base", help="Baseline dump (e.g. the BF16 run)")
     parser.add_argument("cand", help="Candidate dump (e.g. the FP8 run)")
+    parser.add_argument("--chunk-tokens", type=int, metavar="N",
+                        help="The dumps hold chunks of N tokens one after another (probabilities.chunk_tokens): "
+                             "also give the figures per position bucket")
+    parser.add_argument("--bucket-edges", type=_edges, default=DEFAULT_EDGES, metavar="A,B,...",
+                        help="Where position buckets start, in tokens (probabilities.bucket_edges; default "
+                             f"{','.join(map(str, DEFAULT_EDGES))})")
     _output_options(parser)
     parser.set_defaults(run=_run_compare_logprobs)
+
+
+def _edges(text: str) -> tuple[int, ...]:
+    try:
+        edges = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rising positive integers separated by commas, got {text!r}")
+    if any(e < 1 for e in edges) or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise argparse.ArgumentTypeError(f"expected rising positive integers separated by commas, got {text!r}")
+    return edges
 
 
 def _run_compare_logprobs(args: argparse.Namespace) -> int:
@@ -94,7 +115,8 @@ def _run_compare_logprobs(args: argparse.Namespace) -> int:
     base = read_logprob_dump(args.base)
     cand = read_logprob_dump(args.cand)
     try:
-        result = compare_logprobs(base, cand)
+        positions = None if args.chunk_tokens is None else chunk_positions(base.positions, args.chunk_tokens)
+        result = compare_logprobs(base, cand, positions, args.bucket_edges)
     except ComparisonError as err:
         raise CommandError(f"{args.cand}: {err} (baseline {args.base})") from err
     rows = [
@@ -113,6 +135,9 @@ def _run_compare_logprobs(args: argparse.Namespace) -> int:
         )
         rows += [(f"KL {label}", f"{value:.6f}") for label, value in result.kl_percentiles.items()]
     rows += [(f"Δp {label}", _pct(value)) for label, value in result.dp_percentiles.items()]
+    rows += [(f"bucket {b.label}", f"{b.comparison.positions} positions, same top {_pct(b.comparison.same_top)}, "
+                                   f"RMS Δp {_pct(b.comparison.rms_dp)}, KL {_kl(b.comparison.mean_kl)}, "
+                                   f"PPL ratio {b.comparison.ppl_ratio:.6f}") for b in result.buckets]
     emit(args, result.as_dict(), rows)
     return 0
 

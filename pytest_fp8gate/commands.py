@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,15 @@ def fp8gate_command(*words: Any) -> str:
     return " ".join(shlex.quote(str(display_path(w)) if isinstance(w, Path) else str(w)) for w in ("fp8gate", *words))
 
 
-def compare_logprobs_command(base: PassResult, cand: PassResult) -> str | None:
-    """``fp8gate compare-logprobs`` on two passes' dumps (None: a pass wrote none)."""
+def compare_logprobs_command(base: PassResult, cand: PassResult,
+                             buckets: tuple[int, Sequence[int]] | None = None) -> str | None:
+    """``fp8gate compare-logprobs`` on two passes' dumps (None: a pass wrote none); with ``buckets``
+    (chunk_tokens, bucket_edges) it also gives the figures per position bucket."""
     if base.logprobs_path is None or cand.logprobs_path is None:
         return None
-    return fp8gate_command("compare-logprobs", base.logprobs_path, cand.logprobs_path)
+    options = () if buckets is None else ("--chunk-tokens", buckets[0],
+                                          "--bucket-edges", ",".join(map(str, buckets[1])))
+    return fp8gate_command("compare-logprobs", base.logprobs_path, cand.logprobs_path, *options)
 
 
 def flips_command(base: PassResult, cand: PassResult, task: TaskSpec) -> str | None:

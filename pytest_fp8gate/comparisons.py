@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Protocol
 
+import numpy as np
+
 from .answers import AnswerComparison, AnswerRecord, compare_answers, invalid_rate, length_drift
+from .buckets import chunk_positions
 from .decode_phase import DecodeComparison, DecodeRun, compare_decode
 from .dumps import CUT_BY_LENGTH, read_finish_reasons, read_lm_eval_generations
 from .errors import ComparisonError, DumpFormatError, GateError
@@ -91,7 +94,7 @@ class Comparisons:
             base, cand = base_result.main.logprobs, cand_result.main.logprobs
             assert base is not None and cand is not None
             try:
-                self._logprobs[candidate] = compare_logprobs(base, cand)
+                self._logprobs[candidate] = self._by_position(base, cand)
             except ComparisonError as err:
                 raise GateError(f"candidate {candidate} vs baseline {self.config.baseline.name}: {err}") from None
         return self._logprobs[candidate]
@@ -101,9 +104,24 @@ class Comparisons:
         if self._logprob_floors is None:
             base = self.measured.baseline().main.logprobs
             assert base is not None
-            self._logprob_floors = {label: compare_logprobs(base, run.logprobs)
+            self._logprob_floors = {label: self._by_position(base, run.logprobs)
                                     for label, run in self.measured.noise().items() if run.logprobs is not None}
         return self._logprob_floors
+
+    def _by_position(self, base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
+        """``compare_logprobs`` with the figures per position bucket of the corpus chunks (issue 34)."""
+        spec = self.config.probabilities
+        assert spec is not None  # a probability pass exists only where [probabilities] is set
+        return compare_logprobs(base, cand, self._positions(base.positions), spec.bucket_edges)
+
+    def _positions(self, rows: int) -> np.ndarray:
+        spec = self.config.probabilities
+        assert spec is not None
+        try:
+            return chunk_positions(rows, spec.chunk_tokens)
+        except ComparisonError as err:
+            raise GateError(f"{self.config.path}: probabilities.chunk_tokens: the record's probability pass "
+                            f"does not fit it: {err}") from None
 
     def baseline_answers(self, task: TaskSpec) -> list[AnswerRecord]:
         if task.name not in self._baseline_answers:
@@ -218,8 +236,9 @@ class Comparisons:
         return self.measured.decode[self.config.baseline.name]
 
     def _compare(self, what: str, base: DecodeRun, cand: LogprobRun) -> DecodeComparison:
+        spec = self.config.probabilities
         try:
-            return compare_decode(base, cand)
+            return compare_decode(base, cand, spec.bucket_edges if spec is not None else None)
         except ComparisonError as err:
             raise GateError(f"{what}: {err}") from None
 

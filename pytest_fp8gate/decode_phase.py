@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from .buckets import buckets_of, sequence_positions
 from .errors import ComparisonError
 from .logprobs import TOPK_KL, LogprobComparison, LogprobRun, compare_logprobs, logprobs_on_base_ids
 
@@ -129,6 +130,8 @@ class DecodeComparison:
     departed: int  # continuations where the candidate's greedy choice departs
     mean_first_departure: float
     first_departures: tuple[int | None, ...]
+    # The additions per position bucket (issue 34), by the bucket labels of ``logprobs.buckets``.
+    bucket_additions: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         # The nested comparison serialises itself: its per-position KL array stays out of the JSON.
@@ -148,21 +151,28 @@ class DecodeComparison:
         return self.logprobs.mean_kl
 
 
-def compare_decode(base: DecodeRun, cand: LogprobRun) -> DecodeComparison:
+def compare_decode(base: DecodeRun, cand: LogprobRun, edges: Sequence[int] | None = None) -> DecodeComparison:
     """``base``'s log-probs against ``cand``'s on the same generated tokens.
 
     ``cand`` is a candidate's prefill of the baseline's ids, or, for the gap of
-    one model, its own prefill of its own decode run's ids.
+    one model, its own prefill of its own decode run's ids. With ``edges`` the
+    probability figures are also given per position bucket (a generated token's
+    position is its prompt's length plus its index in the continuation).
     """
     if cand.positions != base.logprobs.positions:
         raise ComparisonError(f"{base.logprobs.positions} generated positions but {cand.positions} scored")
     if cand.positions == 0:
         raise ComparisonError("no generated positions to compare (every continuation is empty)")
-    comparison = compare_logprobs(base.logprobs, cand)
+    positions = None if edges is None else sequence_positions([len(p) for p in base.prompts], base.lengths)
+    comparison = compare_logprobs(base.logprobs, cand, positions, edges or ())
     reverse_kind, reverse = reverse_kl_per_position(base.logprobs, cand)
     acceptance_kind, acceptance = acceptance_per_position(base.logprobs, cand)
     departures = first_departures(base, cand)
     censored = [d if d is not None else n for d, n in zip(departures, base.lengths)]
+    additions = {} if positions is None else {
+        label: {"mean_reverse_kl": _mean(None if reverse is None else reverse[mask]),
+                "acceptance_rate": _mean(None if acceptance is None else acceptance[mask])}
+        for label, _, _, mask in buckets_of(positions, edges or ())}
     return DecodeComparison(
         sequences=len(base.generated),
         logprobs=comparison,
@@ -175,6 +185,7 @@ def compare_decode(base: DecodeRun, cand: LogprobRun) -> DecodeComparison:
         departed=sum(d is not None for d in departures),
         mean_first_departure=float(np.mean(censored)),
         first_departures=tuple(departures),
+        bucket_additions=additions,
     )
 
 

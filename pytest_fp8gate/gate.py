@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from .answers import AnswerComparison
 from .commands import compare_logprobs_command, flips_command, roofline_command
 from .comparisons import Comparisons, Measured
 from .errors import GateError, RooflineError
-from .logprobs import TOPK_KL, LogprobComparison
+from .logprobs import TOPK_KL, LogprobComparison, PositionBucket
 from .record import PASS_DESCRIPTIONS, ModelResult
 from .rules import RuleOutcome
 from .spec import GateConfig, LoadSpec, SpeedSpec, TaskLimits, TaskSpec
@@ -64,6 +64,8 @@ class Gate:
             raise GateError(f"unknown rule {case.rule!r}; expected one of {', '.join(rules.BY_NAME)}")
         if rule.kind == "probability":
             verdict = self.probability(case)
+        elif rule.kind == "bucket":
+            verdict = self.bucket(case)
         elif rule.kind == "decode" and rule.bound is not None:  # the probability rules on generated positions
             verdict = generation_verdicts.decode_phase(self.comparisons, case)
         else:
@@ -79,24 +81,9 @@ class Gate:
         assert self.config.probabilities is not None
         limits = self.config.probabilities.limits
         rule = rules.BY_NAME[case.rule]
-        assert rule.bound is not None and rule.ideal is not None and rule.se_field is not None
         comparison = self.comparisons.logprobs(case.candidate)
         floors = self.comparisons.logprob_floors()
-        measured = getattr(comparison, rule.name)
-        if measured is None:
-            raise GateError(
-                f"{self.config.path}: probabilities.limits.{rule.limit_key}: the engine gave no distributions to "
-                f"compute {rule.name} from (KL: {comparison.kl_kind}); remove the limit or use full_vocab/top_k"
-            )
-        ideal = rule.ideal
-        floor_values = {label: getattr(c, rule.name) for label, c in floors.items()}
-        worst = max(floor_values.values(), key=lambda v: abs(v - ideal)) if floor_values else None
-        reference, factor = getattr(limits, rule.limit_key), limits.floor_ratio_for(rule.name)
-        floor_key = f"floor_ratio.{rule.name}" if isinstance(limits.floor_ratio, Mapping) else "floor_ratio"
-        outcome = rules.within_sanity_floor(
-            rule.bound(rule.name, measured, reference, worst, factor, ideal=ideal,
-                       measured_se=getattr(comparison, rule.se_field) or 0.0, k_se=limits.limit_se,
-                       keys=(rule.limit_key, floor_key)), comparison.same_top)
+        outcome, floor_values = self._bounded(rule, rule.name, comparison, floors)
         notes = [rules.sanity_floor_note(comparison.same_top)] if outcome.bound_by == rules.SANITY_FLOOR else []
         notes += [f"noise pass {label}: {rule.name} = {_number(v)} ({PASS_DESCRIPTIONS[label]})"
                   for label, v in floor_values.items()]
@@ -111,13 +98,91 @@ class Gate:
         notes.append(f"{comparison.positions} positions; same top {comparison.same_top:.5f} "
                      f"± {comparison.same_top_se:.5f}, RMS Δp {comparison.rms_dp:.5f}, "
                      f"PPL ratio {comparison.ppl_ratio:.6f}")
+        return self._probability_verdict(case, rule.name, outcome, comparison, floors, tuple(notes))
+
+    def bucket(self, case: Case) -> Verdict:
+        """A probability rule on its worst position bucket, each bucket against the noise floor's same bucket
+        (issue 34, an addition); a bucket with fewer than min_bucket_positions positions is shown, not judged."""
+        spec = self.config.probabilities
+        assert spec is not None and spec.limits.per_bucket  # collected only where per_bucket is set
+        rule = rules.BY_NAME[case.rule]
+        metric = rule.name.removeprefix(rules.BUCKET_PREFIX)
+        comparison = self.comparisons.logprobs(case.candidate)
+        floors = self.comparisons.logprob_floors()
+        judged: list[tuple[PositionBucket, RuleOutcome]] = []
+        notes = []
+        for bucket in comparison.buckets:
+            n = bucket.comparison.positions
+            if n < spec.min_bucket_positions:
+                notes.append(f"bucket {bucket.label}: {n} positions, {metric} = "
+                             f"{_number(getattr(bucket.comparison, metric))}; not judged (fewer than "
+                             f"probabilities.min_bucket_positions = {spec.min_bucket_positions})")
+                continue
+            same = {label: c for label, floor in floors.items() if (c := floor.bucket(bucket.label)) is not None}
+            outcome, floor_values = self._bounded(rule, metric, bucket.comparison, same)
+            judged.append((bucket, outcome))
+            worst_floor = "; ".join(f"{label} {_number(v)}" for label, v in floor_values.items()) or "none"
+            notes.append(f"bucket {bucket.label}: {n} positions, {metric} = {_number(outcome.measured)} "
+                         f"(noise floor: {worst_floor}), margin {outcome.margin:+.6g}")
+        if not judged:
+            shown = ", ".join(f"{b.label}: {b.comparison.positions}" for b in comparison.buckets)
+            raise GateError(f"{self.config.path}: probabilities.min_bucket_positions: no position bucket holds "
+                            f"{spec.min_bucket_positions} scored positions ({shown}); lower it, or score more "
+                            "chunks or longer ones")
+        bucket, outcome = min(judged, key=lambda pair: pair[1].margin)
+        whole = getattr(comparison, metric)
+        outcome = dataclasses.replace(
+            outcome, rows=(("bucket start", bucket.start), ("bucket positions", bucket.comparison.positions),
+                           ("whole chunk", whole), *outcome.rows),
+            figures={**outcome.figures, "bucket_start": bucket.start, "whole_chunk": whole})
+        notes.insert(0, f"worst bucket {bucket.label} (token positions in each sequence); whole chunk "
+                        f"{metric} = {_number(whole)} over {comparison.positions} positions")
+        return self._probability_verdict(case, metric, outcome, comparison, floors, tuple(notes),
+                                         {"bucket": bucket.label}, (spec.chunk_tokens, spec.bucket_edges))
+
+    def _bounded(self, rule: rules.Rule, metric: str, comparison: LogprobComparison,
+                 floors: Mapping[str, LogprobComparison]) -> tuple[RuleOutcome, dict[str, Any]]:
+        """A probability rule's outcome on ``comparison``'s figure ``metric`` against the worst of ``floors``'
+        (the limit, floor_ratio and limit_se of [probabilities.limits]), and each floor's figure."""
+        assert self.config.probabilities is not None
+        limits = self.config.probabilities.limits
+        assert rule.bound is not None and rule.ideal is not None and rule.se_field is not None
+        measured = getattr(comparison, metric)
+        if measured is None:
+            raise GateError(
+                f"{self.config.path}: probabilities.limits.{rule.limit_key}: the engine gave no distributions to "
+                f"compute {metric} from (KL: {comparison.kl_kind}); remove the limit or use full_vocab/top_k"
+            )
+        ideal = rule.ideal
+        floor_values = {label: getattr(c, metric) for label, c in floors.items()}
+        worst = max(floor_values.values(), key=lambda v: abs(v - ideal)) if floor_values else None
+        reference, factor = getattr(limits, rule.limit_key), limits.floor_ratio_for(metric)
+        floor_key = self._floor_key(metric)
+        outcome = rules.within_sanity_floor(
+            rule.bound(rule.name, measured, reference, worst, factor, ideal=ideal,
+                       measured_se=getattr(comparison, rule.se_field) or 0.0, k_se=limits.limit_se,
+                       keys=(rule.limit_key, floor_key)), comparison.same_top)
+        return outcome, floor_values
+
+    def _floor_key(self, metric: str) -> str:
+        assert self.config.probabilities is not None
+        return f"floor_ratio.{metric}" if isinstance(self.config.probabilities.limits.floor_ratio, Mapping) \
+            else "floor_ratio"
+
+    def _probability_verdict(self, case: Case, metric: str, outcome: RuleOutcome, comparison: LogprobComparison,
+                             floors: Mapping[str, LogprobComparison], notes: tuple[str, ...],
+                             extra: Mapping[str, Any] | None = None,
+                             buckets: tuple[int, Sequence[int]] | None = None) -> Verdict:
+        assert self.config.probabilities is not None
+        limits = self.config.probabilities.limits
         details = {"comparison": comparison.as_dict(),
-                   "noise_floor": {label: c.as_dict() for label, c in floors.items()}}
+                   "noise_floor": {label: c.as_dict() for label, c in floors.items()}, **(extra or {})}
         recompute = compare_logprobs_command(self.measurements.baseline().main,
-                                             self.measurements.candidate(case.candidate).main)
-        setting = factor if outcome.limit_key == floor_key else reference
+                                             self.measurements.candidate(case.candidate).main, buckets)
+        setting = limits.floor_ratio_for(metric) if outcome.limit_key == self._floor_key(metric) \
+            else getattr(limits, outcome.limit_key)
         limit = self._limit(f"probabilities.limits.{outcome.limit_key}", setting)
-        return Verdict(case, outcome, details, tuple(notes), limit=limit, recompute=recompute)
+        return Verdict(case, outcome, details, notes, limit=limit, recompute=recompute)
 
     def _kl_partition_note(self, comparison: LogprobComparison) -> str:
         if comparison.kl_kind != TOPK_KL:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .answers import binomial_se
+from .buckets import buckets_of
 from .errors import ComparisonError
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "ComparisonError",
     "LogprobComparison",
     "LogprobRun",
+    "PositionBucket",
     "check_vocabulary",
     "compare_logprobs",
     "kl_per_position",
@@ -200,7 +202,8 @@ class LogprobComparison:
     standard errors of a mean (sample SD / sqrt(N)), as llama.cpp reports them;
     ``rms_dp_se`` carries the SE of mean(dp^2) through the square root (delta method).
     ``kl_kind`` is "exact" (both full distributions), "top-k lower bound" or
-    "unavailable" (then the KL fields are None).
+    "unavailable" (then the KL fields are None). ``buckets``: the same figures on the
+    positions of each position bucket, where the rows' positions were given (an addition).
     """
 
     positions: int
@@ -220,11 +223,32 @@ class LogprobComparison:
     kl_percentiles: dict[str, float] | None
     # KL at each position, kept for the plots so that nothing computes it twice (not serialised).
     kl_values: np.ndarray | None = field(default=None, repr=False, compare=False)
+    buckets: tuple[PositionBucket, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        figures = asdict(replace(self, kl_values=None))
+        figures = asdict(replace(self, kl_values=None, buckets=()))
         del figures["kl_values"]
+        figures["buckets"] = [bucket.as_dict() for bucket in self.buckets]
         return figures
+
+    def bucket(self, label: str) -> LogprobComparison | None:
+        """The figures of the bucket ``label``, None where no position fell in it."""
+        return next((b.comparison for b in self.buckets if b.label == label), None)
+
+
+@dataclass(frozen=True)
+class PositionBucket:
+    """The figures on the positions in [start, end) of their sequences (end None: no upper end)."""
+
+    label: str
+    start: int
+    end: int | None
+    comparison: LogprobComparison
+
+    def as_dict(self) -> dict[str, Any]:
+        figures = self.comparison.as_dict()
+        del figures["buckets"]
+        return {"bucket": self.label, "start": self.start, "end": self.end, **figures}
 
 
 def _mean_se(values: np.ndarray) -> tuple[float, float]:
@@ -238,11 +262,14 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
     return {label: float(v) for (label, _), v in zip(PERCENTILES, ranks)}
 
 
-def compare_logprobs(base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
+def compare_logprobs(base: LogprobRun, cand: LogprobRun, positions: np.ndarray | None = None,
+                     edges: Sequence[int] = ()) -> LogprobComparison:
     """Compare two passes over the same tokens the way llama.cpp does.
 
     ``dp = exp(cand.real) - exp(base.real)`` per position and
     ``ppl_ratio = exp(mean(base.real - cand.real))`` = PPL(cand) / PPL(base).
+    With ``positions`` (each row's position in its sequence) the same figures are also
+    given per bucket of positions cut at ``edges`` (buckets.py), from the same per-position values.
     """
     n = base.positions
     if cand.positions != n:
@@ -258,14 +285,30 @@ def compare_logprobs(base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
             raise ComparisonError(
                 f"runs scored different text: first differing token at position {differs[0]}"
             )
-
-    same_top = float(np.mean(base.top_ids[:, 0] == cand.top_ids[:, 0]))
+    same = base.top_ids[:, 0] == cand.top_ids[:, 0]
     dp = np.exp(cand.real_logprob) - np.exp(base.real_logprob)
+    ln_ratio = base.real_logprob - cand.real_logprob
+    kl_kind, kl = kl_per_position(base, cand)
+    whole = _summarise(same, dp, ln_ratio, kl_kind, kl)
+    if positions is None:
+        return replace(whole, kl_values=kl)
+    if positions.shape != (n,):
+        raise ComparisonError(f"{positions.shape[0]} row positions for {n} scored rows")
+    buckets = tuple(PositionBucket(label, start, end, _summarise(same[mask], dp[mask], ln_ratio[mask], kl_kind,
+                                                                None if kl is None else kl[mask]))
+                    for label, start, end, mask in buckets_of(positions, edges))
+    return replace(whole, kl_values=kl, buckets=buckets)
+
+
+def _summarise(same: np.ndarray, dp: np.ndarray, ln_ratio: np.ndarray, kl_kind: str,
+               kl: np.ndarray | None) -> LogprobComparison:
+    """The figures of one set of rows from their per-position values."""
+    n = same.shape[0]
+    same_top = float(np.mean(same))
     mean_dp, mean_dp_se = _mean_se(dp)
     mean_square_dp, mean_square_dp_se = _mean_se(dp * dp)
     rms_dp = math.sqrt(mean_square_dp)
-    ln_ppl_ratio, ln_ppl_ratio_se = _mean_se(base.real_logprob - cand.real_logprob)
-    kl_kind, kl = kl_per_position(base, cand)
+    ln_ppl_ratio, ln_ppl_ratio_se = _mean_se(ln_ratio)
     mean_kl, kl_se = _mean_se(kl) if kl is not None else (None, None)
     return LogprobComparison(
         positions=n,
@@ -283,7 +326,6 @@ def compare_logprobs(base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
         mean_kl=mean_kl,
         kl_se=kl_se,
         kl_percentiles=_percentiles(kl) if kl is not None else None,
-        kl_values=kl,
     )
 
 

@@ -120,6 +120,7 @@ class _Candidate:
         lines += [f"Not judged: {case.rule}{f' on {case.task}' if case.task else ''}: {why}" for case, why in unjudged]
         lines += [""] if unjudged else []
         lines += _decode_lines(self.verdicts)
+        lines += _bucket_lines(self.verdicts)
         lines += self.speed_lines() + [""]
         lines += self.load_lines()
         for task in self.data.config.tasks:
@@ -391,3 +392,41 @@ def _decode_lines(verdicts: list[Verdict]) -> list[str]:
         if line and line not in seen:
             seen.append(line)
     return [f"Decode phase: {line}" for line in seen] + ([""] if seen else [])
+
+
+# Where each check's per-bucket figures sit in its verdicts' details (LogprobComparison.as_dict, or the
+# DecodeComparison's "logprobs"), and the rule kinds whose verdicts carry them.
+_BUCKET_SOURCES = (("Probabilities", ("probability", "bucket"), ()),
+                   ("Decode phase (baseline's continuations)", ("decode",), ("logprobs",)))
+
+
+def _bucket_lines(verdicts: list[Verdict]) -> list[str]:
+    """The probability and decode figures per position bucket (issue 34), beside the noise floor's worst KL in
+    the same bucket: from the first verdict of each check, shown whether or not a bucket rule is configured."""
+    lines: list[str] = []
+    for title, kinds, path in _BUCKET_SOURCES:
+        found = next((v for v in verdicts if rules.BY_NAME[v.case.rule].kind in kinds
+                      and rules.BY_NAME[v.case.rule].bound is not None and "comparison" in v.details), None)
+        if found is None:
+            continue
+        comparison, floors = _at(found.details["comparison"], path), found.details.get("noise_floor", {})
+        floor_buckets = [{b["bucket"]: b for b in _at(floor, path).get("buckets", [])} for floor in floors.values()]
+        rows = []
+        for b in comparison.get("buckets", []):
+            floor_kl = [f[b["bucket"]]["mean_kl"] for f in floor_buckets
+                        if b["bucket"] in f and f[b["bucket"]]["mean_kl"] is not None]
+            rows.append((b["bucket"], str(b["positions"]), f"{b['same_top']:.5f}", f"{b['rms_dp']:.5f}",
+                         _number(b["mean_kl"]), f"{b['ppl_ratio']:.6f}", _number(max(floor_kl, default=None))))
+        if rows:
+            lines += [f"{title} per position bucket (positions in tokens; the whole: {comparison['positions']} "
+                      f"positions, mean KL {_number(comparison['mean_kl'])}):", ""]
+            lines += table(("bucket", "positions", "same top", "RMS Δp", "mean KL", "PPL ratio",
+                            "noise floor mean KL"), rows)
+            lines.append("")
+    return lines
+
+
+def _at(figures: dict[str, Any], path: Sequence[str]) -> dict[str, Any]:
+    for key in path:
+        figures = figures[key]
+    return figures

@@ -65,6 +65,8 @@ TRUNCATION = "truncation"
 # The decode phase's rules (generation_verdicts.py gathers their evidence); DECODE_GAP is the candidate's own
 # decode-vs-prefill gap, the others compare it with the baseline on the baseline's continuations.
 DECODE_PREFIX, DECODE_GAP = "decode_", "decode_gap"
+# The probability rules on their worst position bucket (issue 34; [probabilities.limits] per_bucket).
+BUCKET_PREFIX = "bucket_"
 
 
 @dataclass(frozen=True)
@@ -676,7 +678,8 @@ class Rule:
     report's and the summary's "rule". ``test`` is its test function in
     suite.py (the ids are public). ``kind`` says what it needs measured and how
     its cases are formed: per candidate ("probability", "speed") or per
-    candidate and task ("task"), or per candidate on generated text ("decode").
+    candidate and task ("task"), or per candidate on generated text ("decode"); a
+    "bucket" rule is a probability rule judged on its worst position bucket.
     ``limit_key`` is its limit's key in [probabilities.limits], [decode.limits],
     a task's limits, [speed] or [load]; a probability or decode rule, and a task rule
     whose limit has no default, is collected only where that limit is set. A
@@ -687,7 +690,7 @@ class Rule:
 
     name: str
     test: str
-    kind: Literal["probability", "task", "speed", "decode", "load"]
+    kind: Literal["probability", "bucket", "task", "speed", "decode", "load"]
     limit_key: str
     bound: Callable[..., RuleOutcome] | None = None  # probability rules: at_least or at_most the limit
     ideal: float | None = None  # probability rules: the metric for two identical runs
@@ -716,6 +719,13 @@ RULES: tuple[Rule, ...] = (
     Rule(INVALID_RATE, "test_invalid_rate", "task", "max_invalid_increase", judge=invalid_rate_within),
     Rule(RECOVERY, "test_recovery", "task", "min_recovery", judge=recovery_within),
     Rule(TRUNCATION, "test_truncation", "task", "max_truncation_increase", judge=truncation_within),
+    # Optional additions (issue 34): the probability rules on the worst position bucket, against the floor's
+    # same bucket; collected where [probabilities.limits] per_bucket and the metric's limit are set.
+    Rule("bucket_same_top", "test_bucket_same_top", "bucket", "min_same_top", at_least, 1.0, "same_top_se"),
+    Rule("bucket_rms_dp", "test_bucket_rms_dp", "bucket", "max_rms_dp", at_most, 0.0, "rms_dp_se"),
+    Rule("bucket_mean_kl", "test_bucket_kl", "bucket", "max_mean_kl", at_most, 0.0, "kl_se"),
+    Rule("bucket_ppl_ratio", "test_bucket_ppl_ratio", "bucket", "max_ppl_ratio", ratio_at_most, 1.0,
+         "ln_ppl_ratio_se"),
 )
 BY_NAME = {rule.name: rule for rule in RULES}
 BY_TEST = {rule.test: rule for rule in RULES}

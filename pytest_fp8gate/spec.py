@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from .buckets import DEFAULT_EDGES, MIN_BUCKET_POSITIONS
 from .http_client import REQUEST_DEADLINE_S
 from .rules import SHARE_OF_BASELINE
 
@@ -103,6 +104,8 @@ class ProbabilityLimits:
     # One factor for every probability rule, or factors by rule name; applies only where the floor is > 0.
     floor_ratio: float | Mapping[str, float] | None = None
     limit_se: float = 1.0  # a limit fails only when missed by more than this many SEs (the accuracy rule's k)
+    # Issue 34: also judge each rule's worst position bucket against the floor's same bucket (the bucket_* rules).
+    per_bucket: bool = False
 
     def floor_ratio_for(self, rule_name: str) -> float | None:
         """The factor over the noise floor that ``rule_name``'s metric may reach, if one is set."""
@@ -119,6 +122,9 @@ class ProbabilitySpec:
     top_k: int = 20
     full_vocab: bool | Literal["auto"] = "auto"
     limits: ProbabilityLimits = ProbabilityLimits()
+    # Issue 34: the figures per bucket of positions (buckets.py); a bucket with fewer positions is not judged.
+    bucket_edges: tuple[int, ...] = DEFAULT_EDGES
+    min_bucket_positions: int = MIN_BUCKET_POSITIONS
 
 
 @dataclass(frozen=True)

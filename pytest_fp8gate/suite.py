@@ -80,3 +80,19 @@ def test_recovery(fp8gate: GateSession, case, request: pytest.FixtureRequest) ->
 
 def test_truncation(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
     fp8gate.enforce(case, request.node)
+
+
+def test_bucket_same_top(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_bucket_rms_dp(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_bucket_kl(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
+def test_bucket_ppl_ratio(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)

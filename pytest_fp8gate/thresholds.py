@@ -14,7 +14,7 @@ import shlex
 import sys
 from dataclasses import MISSING, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Collection, TypeVar
+from typing import Any, Callable, Collection, Sequence, TypeVar
 
 from . import checkpoint, engine_args, gpu_bandwidths, http_client, roofline, server_process
 from .errors import CheckpointError, ConfigError, RooflineError, UnsupportedEngine
@@ -207,6 +207,27 @@ def _passes(value: Any) -> list[str]:
     return passes
 
 
+MAX_MODEL_LEN = "max_model_len"  # chunk_tokens: chunks as long as the models' context allows (issue 34)
+
+
+def _chunk_tokens(value: Any) -> int | str:
+    if value == MAX_MODEL_LEN:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:  # one scored position needs two tokens
+        raise _Invalid(f'expected an integer >= 2 or "{MAX_MODEL_LEN}", got {_show(value)}')
+    return value
+
+
+def _bucket_edges(value: Any) -> tuple[int, ...]:
+    """Where position buckets start, in tokens: rising positive integers (0 is implied)."""
+    expected = "an array of rising positive integers (token positions where a bucket starts), e.g. [1024, 4096]"
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
+        raise _Invalid(f"expected {expected}, got {_show(value)}")
+    if any(b <= a for a, b in zip(value, value[1:])):
+        raise _Invalid(f"expected {expected}, got {value}")
+    return tuple(value)
+
+
 def _candidate_passes(value: Any) -> list[str]:
     if not isinstance(value, list):
         raise _Invalid(f'expected an array, [] or ["batch-order"], got {_show(value)}')
@@ -253,9 +274,11 @@ _CORPUS_FORMS = '"wikitext-2", a text file or a table {dataset = ...}'
 _DATASET_CHECKS = {"dataset": _text(), "name": _text(), "split": _text(), "column": _text()}
 _PROBABILITY_CHECKS = {
     "chunks": _integer(1),
-    "chunk_tokens": _integer(2),  # one scored position needs two tokens
+    "chunk_tokens": _chunk_tokens,
     "top_k": _integer(1),
     "full_vocab": _full_vocab,
+    "bucket_edges": _bucket_edges,
+    "min_bucket_positions": _integer(1),
 }
 _PROBABILITY_KEYS = (*_PROBABILITY_CHECKS, "corpus", "limits")
 _PROBABILITY_RULE_NAMES = tuple(rule.name for rule in RULES if rule.kind == "probability")
@@ -279,6 +302,7 @@ _PROBABILITY_LIMIT_CHECKS = {
     "max_ppl_ratio": _RATIO,
     "floor_ratio": _floor_ratio,
     "limit_se": _number(0),
+    "per_bucket": _boolean,
 }
 _PROBABILITY_METRIC_LIMITS = tuple(rule.limit_key for rule in RULES if rule.kind == "probability")
 _TASK_CHECKS = {
@@ -432,7 +456,7 @@ class _Parser:
             baseline=baseline,
             candidates=candidates,
             noise=self.noise(top.table("noise", ("passes", "candidate_passes"))),
-            probabilities=self.probabilities(top.table("probabilities", _PROBABILITY_KEYS))
+            probabilities=self.probabilities(top.table("probabilities", _PROBABILITY_KEYS), (baseline, *candidates))
             if "probabilities" in raw
             else None,
             tasks=tasks,
@@ -681,16 +705,36 @@ class _Parser:
             raise self.error("decode.prompt_tokens", f"{decode.prompt_tokens} exceeds probabilities.chunk_tokens "
                                                      f"({probabilities.chunk_tokens}); each prompt is a chunk's prefix")
 
-    def probabilities(self, table: _Table) -> ProbabilitySpec:
+    def probabilities(self, table: _Table, models: Sequence[ModelSpec]) -> ProbabilitySpec:
         limits = table.table("limits", _PROBABILITY_LIMIT_CHECKS)
         if not any(key in limits.raw for key in _PROBABILITY_METRIC_LIMITS):
             expected = ", ".join(_PROBABILITY_METRIC_LIMITS)
             raise self.error(limits.where, f"expected at least one of {expected}; nothing is gated")
+        values = table.values(ProbabilitySpec, _PROBABILITY_CHECKS)
+        if values.get("chunk_tokens") == MAX_MODEL_LEN:
+            values["chunk_tokens"] = self.longest_chunk(table.key("chunk_tokens"), models)
         return ProbabilitySpec(
             corpus=self.corpus(table.key("corpus"), table.raw.get("corpus", "wikitext-2")),
             limits=ProbabilityLimits(**limits.values(ProbabilityLimits, _PROBABILITY_LIMIT_CHECKS)),
-            **table.values(ProbabilitySpec, _PROBABILITY_CHECKS),
+            **values,
         )
+
+    def longest_chunk(self, where: str, models: Sequence[ModelSpec]) -> int:
+        """chunk_tokens = "max_model_len": the least context of the models (engine.max_model_len where set, else
+        a local checkpoint's max_position_embeddings), less the one token vLLM generates after a scored prompt."""
+        lengths = []
+        for spec in models:
+            config = self.model_configs.get(spec.model, {})
+            length = spec.engine.get("max_model_len") or config.get("max_position_embeddings") \
+                or config.get("text_config", {}).get("max_position_embeddings")
+            if not isinstance(length, int) or isinstance(length, bool):
+                raise self.error(where, f'"{MAX_MODEL_LEN}" needs the context of each model, but {spec.name} has no '
+                                        "engine.max_model_len and no local config.json max_position_embeddings; "
+                                        "set one, or chunk_tokens to a number")
+            lengths.append(length)
+        if min(lengths) < 3:
+            raise self.error(where, f"a context of {min(lengths)} tokens leaves no position to score")
+        return min(lengths) - 1
 
     def corpus(self, where: str, value: Any) -> DatasetCorpus | FileCorpus:
         if value == "wikitext-2":

@@ -62,6 +62,7 @@ LAYOUT_NOISE = 0.002  # a batch layout other than all at once (the batch-order p
 # a little from its prefill (as on GPUs); FakeModel.decode_noise adds a broken cache's on top.
 DECODE_NOISE = 0.002
 DECODE_SEED = 22
+POSITION_SEED = 34  # the noise matrix of FakeModel.position_noise
 # SamplingParams fields of vLLM 0.33 that the gate reads (0.26 lacks the last).
 FIELDS_0_33 = ("max_tokens", "prompt_logprobs", "flat_logprobs", "detokenize", "prompt_logprob_token_ids")
 
@@ -98,6 +99,10 @@ class FakeModel:
     ramble: int = 0  # characters of reasoning it writes before its answer (a tight max_gen_toks cuts it)
     fail_start: str | None = None  # the start raises RuntimeError(fail_start)
     id_shift: int = 0  # its distributions sit on ids shifted by this: another model or tokenizer under the name
+    # A fault that grows with position (issue 34, like a KV-cache scale or RoPE error): a perturbation of std
+    # position_noise x (position - position_onset) / position_onset at positions past position_onset, 0 before.
+    position_noise: float = 0.0
+    position_onset: int = 256
 
 
 class FakeTokenizer:
@@ -190,11 +195,17 @@ class FakeEngine(Engine):
 
     # ---- probabilities -----------------------------------------------------
 
-    def _logprobs(self, ids: Sequence[int], layout: BatchLayout) -> np.ndarray:
-        """[len(ids) - 1, vocab]: the distribution at each position after the first."""
+    def _logprobs(self, ids: Sequence[int], layout: BatchLayout, first_position: int = 1) -> np.ndarray:
+        """[len(ids) - 1, vocab]: the distribution at each position after the first (row r predicts the
+        token at position first_position + r of its sequence)."""
         logits = self._logits[np.asarray(ids[:-1], dtype=np.int64)]
         if layout != ALL_AT_ONCE:
             logits = logits + _noise(zlib.crc32(repr(layout).encode()))[np.asarray(ids[:-1])] * LAYOUT_NOISE
+        if self.model.position_noise:
+            onset = self.model.position_onset
+            positions = first_position + np.arange(len(ids) - 1)
+            ramp = np.clip((positions - onset) / onset, 0.0, None) * self.model.position_noise
+            logits = logits + _noise(POSITION_SEED)[np.asarray(ids[:-1])] * ramp[:, None]
         return logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
 
     def prompt_logprobs(self, chunks: Sequence[Sequence[int]], top_k: int, full_vocab: bool,
@@ -213,7 +224,8 @@ class FakeEngine(Engine):
         for prompt in prompts:
             ids, rows = list(prompt), []
             for _ in range(max_tokens):
-                row = self._logprobs([ids[-1], 0], layout)[0] + cache[ids[-1]]  # the distribution after ids[-1]
+                # the distribution after ids[-1], at the position of the token it predicts
+                row = self._logprobs([ids[-1], 0], layout, len(ids))[0] + cache[ids[-1]]
                 row = row - np.logaddexp.reduce(row)
                 rows.append(row)
                 ids.append(int(row.argmax()))

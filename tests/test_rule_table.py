@@ -27,14 +27,15 @@ def test_the_suite_has_one_test_per_rule() -> None:
 
 def test_each_row_names_what_judges_it_and_its_limit() -> None:
     comparison_fields = {f.name for f in dataclasses.fields(LogprobComparison)}
-    tables = {"probability": ProbabilityLimits, "task": TaskLimits, "speed": SpeedSpec, "decode": DecodeLimits,
+    tables = {"probability": ProbabilityLimits, "bucket": ProbabilityLimits, "task": TaskLimits, "speed": SpeedSpec,
+              "decode": DecodeLimits,
               "load": LoadSpec}
     for rule in rules.RULES:
         assert rule.limit_key in {f.name for f in dataclasses.fields(tables[rule.kind])}, rule
-        if rule.kind == "probability" or rule.bound is not None:
+        if rule.kind in ("probability", "bucket") or rule.bound is not None:
             # A decode rule with a bound: the probability check's figure of its name, on generated positions.
-            assert rule.kind in ("probability", "decode") and rule.judge is None, rule
-            metric = rule.name.removeprefix(rules.DECODE_PREFIX)
+            assert rule.kind in ("probability", "decode", "bucket") and rule.judge is None, rule
+            metric = rule.name.removeprefix(rules.DECODE_PREFIX).removeprefix(rules.BUCKET_PREFIX)
             assert metric in comparison_fields and rule.bound in (rules.at_least, rules.at_most,
                                                                   rules.ratio_at_most), rule
             assert rule.se_field in comparison_fields, rule
@@ -46,6 +47,7 @@ def test_each_row_names_what_judges_it_and_its_limit() -> None:
 
 ALL_RULES = """
 [probabilities.limits]
+per_bucket = true
 max_mean_kl = 0.01
 min_same_top = 0.9
 max_rms_dp = 0.05
@@ -70,6 +72,8 @@ TASK_LIMITS = ("limit = 30\n[tasks.limits]\nmax_length_drift = 0.1\nmax_invalid_
 def _gate_file(tmp_path: Path) -> Path:
     path = write_recorded_gate(tmp_path / "gate")
     text = path.read_text().replace("[probabilities.limits]\nmax_mean_kl = 0.01\nmin_same_top = 0.9\n", "")
+    # Two position buckets of about 200 positions each, both judged by the bucket rules.
+    text = text.replace("top_k = 3\n", "top_k = 3\nbucket_edges = [100]\nmin_bucket_positions = 100\n")
     path.write_text(text.replace("limit = 30\n", TASK_LIMITS) + ALL_RULES)
     return path
 
