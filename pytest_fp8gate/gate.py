@@ -54,10 +54,6 @@ class Gate:
         """The thresholds the gate judges by (its comparisons name the same file in their errors)."""
         return self.comparisons.config
 
-    @config.setter
-    def config(self, config: GateConfig) -> None:
-        self.comparisons.config = config
-
     def evaluate(self, case: Case) -> Verdict:
         rule = rules.BY_NAME.get(case.rule)
         if rule is None:

@@ -90,11 +90,6 @@ def child_pids() -> set[int]:
     return {child.pid for child in psutil.Process().children(recursive=True) if child.pid != watchdog}
 
 
-def watchdog_pid() -> int | None:
-    """The pid of this process's watchdog, once an engine start began it."""
-    return _watchdog.pid if _watchdog is not None and _watchdog.poll() is None else None
-
-
 def _start_watchdog(since: float) -> None:
     """Once per process: the watchdog that stops what this process spawned from ``since`` (a create
     time) on, should this process die without a word."""

@@ -202,9 +202,10 @@ def test_the_chance_floor_is_configurable(tmp_path: Path) -> None:
 
 
 def test_a_filter_the_samples_lack_names_the_task_key(tmp_path: Path) -> None:
-    gate = _gate(tmp_path, [1] * 40)
-    wrong = replace(gate.config.tasks[0], filter="flexible-extract")
-    gate.config = replace(gate.config, tasks=(wrong,))
+    recorded = _gate(tmp_path, [1] * 40)
+    wrong = replace(recorded.config.tasks[0], filter="flexible-extract")
+    config = replace(recorded.config, tasks=(wrong,))
+    gate = Gate(config, recorded.comparisons.measured)
     with pytest.raises(GateError) as info:
         gate.evaluate(Case("flips", "fp8", "arith"))
     assert str(info.value) == (
