@@ -14,8 +14,9 @@ from typing import Any
 
 from lm_eval.api.model import LM
 
+from .answers import final_answer
 from .atomic import atomic_write_text
-from .dumps import FINISH_REASON, SAMPLES_RUN_ID, write_lm_eval_samples
+from .dumps import FINISH_REASON, SAMPLES_RUN_ID, THINKING_CHARS, write_lm_eval_samples
 from .engine import ALL_AT_ONCE, BatchLayout, Engine
 from .spec import TaskSpec
 
@@ -38,6 +39,12 @@ class EngineLM(LM):
     leaves it to the tokenizer). ``layout`` reorders and splits the requests
     of generation and scoring alike; the results always come back in request
     order.
+
+    Reasoning models, as lm-eval's vllm and hf models take them: ``chat_template_kwargs`` go to the
+    tokenizer's chat template (one rendering path: the served engine is sent the ids rendered here), and
+    with ``think_end`` set only the text after the marker reaches lm-eval's filters. The task's stop
+    strings then cut the answer after the thinking is stripped, not the generation: they often occur
+    inside a thinking block ("\n\n", "Question:"), so the engine stops only at EOS or the token budget.
     """
 
     def __init__(
@@ -47,14 +54,20 @@ class EngineLM(LM):
         add_bos_token: bool = True,
         max_gen_toks: int | None = None,
         layout: BatchLayout = ALL_AT_ONCE,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        think_end: str | None = None,
     ) -> None:
         super().__init__()
         self.engine = engine
         self.add_bos_token = add_bos_token
         self.max_gen_toks = max_gen_toks
         self.layout = layout
-        # Why each generated answer ended, by (task, doc_id), in request order: written into the samples.
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.think_end = think_end
+        # Why each generated answer ended, and its thinking length in characters (None: no think_end
+        # marker), by (task, doc_id), in request order: written into the samples.
         self.finish_reasons: dict[tuple[Any, Any], list[str | None]] = {}
+        self.thinking: dict[tuple[Any, Any], list[int | None]] = {}
 
     @property
     def tokenizer_name(self) -> str:
@@ -69,7 +82,7 @@ class EngineLM(LM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self.engine.tokenizer.apply_chat_template(
-            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs
         )
 
     def generate_until(self, requests: list[Any]) -> list[str]:
@@ -85,11 +98,20 @@ class EngineLM(LM):
             prompts.append(self.engine.encode(context, self.add_bos_token))
             max_tokens.append(generation_budget(kwargs, self.max_gen_toks))
             stops.append(list(until))
-        generations = self.engine.generate_greedy(prompts, max_tokens, stops, self.layout)
-        for request, generation in zip(requests, generations):
+        eos = getattr(self.engine.tokenizer, "eos_token", None)
+        sent = [[s for s in until if s == eos] for until in stops] if self.think_end else stops
+        generations = self.engine.generate_greedy(prompts, max_tokens, sent, self.layout)
+        answers = []
+        for request, generation, until in zip(requests, generations, stops):
             key = (getattr(request, "task_name", None), getattr(request, "doc_id", None))
             self.finish_reasons.setdefault(key, []).append(generation.finish_reason)
-        return [g.text for g in generations]
+            if self.think_end is None:
+                answers.append(generation.text)  # the engine applied the stop strings
+                continue
+            answer, thinking = final_answer(generation.text, self.think_end, until)
+            self.thinking.setdefault(key, []).append(thinking)
+            answers.append(answer)
+        return answers
 
     def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
         prompts, lengths = [], []
@@ -168,13 +190,15 @@ def fewshot_problem(tasks: Sequence[TaskSpec], manager: Any) -> str | None:
     return None
 
 
-def _finish_reason(lm: EngineLM, task: str, row: dict[str, Any]) -> dict[str, Any]:
-    """A generated answer's ``finish_reason`` (a list for a doc of several requests); nothing for a
-    log-likelihood task, which generates nothing."""
-    reasons = lm.finish_reasons.get((task, row.get("doc_id")))
-    if reasons is None:
-        return {}
-    return {FINISH_REASON: reasons[0] if len(reasons) == 1 else reasons}
+def _generation_fields(lm: EngineLM, task: str, row: dict[str, Any]) -> dict[str, Any]:
+    """A generated answer's ``finish_reason`` and, with think_end set, its thinking length (each a list
+    for a doc of several requests); nothing for a log-likelihood task, which generates nothing."""
+    key = (task, row.get("doc_id"))
+    found = {}
+    for field, values in ((FINISH_REASON, lm.finish_reasons.get(key)), (THINKING_CHARS, lm.thinking.get(key))):
+        if values is not None:
+            found[field] = values[0] if len(values) == 1 else values
+    return found
 
 
 def run_task(
@@ -189,7 +213,8 @@ def run_task(
     results to ``directory``."""
     from lm_eval import simple_evaluate
 
-    lm = EngineLM(engine, add_bos_token=task.add_bos_token, max_gen_toks=task.max_gen_toks, layout=layout)
+    lm = EngineLM(engine, add_bos_token=task.add_bos_token, max_gen_toks=task.max_gen_toks, layout=layout,
+                  chat_template_kwargs=dict(task.chat_template_kwargs), think_end=task.think_end)
     results = simple_evaluate(
         model=lm,
         tasks=[task.task],
@@ -201,7 +226,7 @@ def run_task(
         task_manager=manager,
         bootstrap_iters=0,
     )
-    rows = [dict(row, task=sub, **{SAMPLES_RUN_ID: run_id}, **_finish_reason(lm, sub, row))
+    rows = [dict(row, task=sub, **{SAMPLES_RUN_ID: run_id}, **_generation_fields(lm, sub, row))
             for sub, sub_rows in results["samples"].items() for row in sub_rows]
     if len(results["samples"]) > 1:
         # A task group: keep doc ids distinct across its subtasks.
