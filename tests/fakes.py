@@ -265,7 +265,8 @@ class FakeEngine(Engine):
         thinking = " Let me count on." * (self.model.ramble // 17 + 1) if self.model.ramble else ""
         completion = f"{thinking[:self.model.ramble]} The number is {answer}.\n#### {answer}\n\n"
         if text.endswith(THINK_OPEN):
-            completion = (THINKING * (self.model.think // len(THINKING) + 1))[:self.model.think] + THINK_END + completion
+            thought = (THINKING * (self.model.think // len(THINKING) + 1))[:self.model.think]
+            completion = thought + THINK_END + completion
         if _uniform("invalid", self.model.seed, question) < self.model.invalid_rate:
             completion = f" The number is {answer}, or so I believe after thinking it over at length.\n\n"
         for stop in stops:

@@ -182,7 +182,8 @@ def test_a_served_reasoning_model_end_to_end(tmp_path: Path, enabled: bool, budg
     rows = _rows(samples)
     # The questions' prompts (the others are the start's probe of the endpoint).
     sent = [text for text in map(engine.tokenizer.decode, knobs.prompts) if "Which number" in text]
-    assert len(rows) == len(sent) == 6 and all(text.endswith("<think>" if enabled else "<think></think>") for text in sent)
+    opened = "<think>" if enabled else "<think></think>"
+    assert len(rows) == len(sent) == 6 and all(text.endswith(opened) for text in sent)
     scores = [row["exact_match"] for row in rows]
     if budget == 24:  # cut inside the thinking: every answer ends by length, with no marker and no answer
         assert {row[FINISH_REASON] for row in rows} == {"length"} and {row[THINKING_CHARS] for row in rows} == {None}
