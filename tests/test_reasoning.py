@@ -4,6 +4,7 @@ engine and fake endpoint; the embedded model under a thinking template is in tes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,18 @@ def test_think_end_and_the_kwargs_are_checked_before_any_engine(tmp_path: Path) 
                                                                                keys + "[tasks.limits]\n", 1))
         with pytest.raises(ConfigError, match=message):
             load_config(path)
+
+
+def test_think_end_on_a_task_that_generates_nothing_is_refused_before_any_engine() -> None:
+    from pytest_fp8gate.lm_adapter import task_problem
+
+    spec = TaskSpec("choice", "fp8gate_tiny_arith_choice", "acc", include_path=Path(__file__).parent / "data" / "tasks",
+                    think_end=THINK_END)
+    manager = task_manager([spec])
+    assert task_problem([spec], manager) == (
+        "tasks 'choice': think_end = '</think>', but fp8gate_tiny_arith_choice is a multiple_choice task: it "
+        "generates nothing, so there is no thinking to cut; remove think_end")
+    assert task_problem([dataclasses.replace(spec, think_end=None)], manager) is None
 
 
 # A chat template in the manner of DeepSeek-R1's and Qwen3's: the prompt opens a thinking block, or holds an
