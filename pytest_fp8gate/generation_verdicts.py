@@ -193,7 +193,9 @@ def truncation_verdict(comparisons: Comparisons, task: TaskSpec, case: Case) -> 
     budget = f"max_gen_toks = {task.max_gen_toks}" if task.max_gen_toks else "the task's max_gen_toks"
     notes = [f"answers ended by the token budget ({budget}; vLLM's finish_reason \"length\"): baseline "
              f"{len(base)} of {questions}, candidate {len(cand)} ({len(cand - base)} cut in the candidate only); "
-             "a cut answer is scored as written, so an answer that grew past the budget reads as wrong"]
+             "a cut answer is scored as written, so an answer that grew past the budget reads as wrong"
+             + (f" (one cut inside its thinking has no {task.think_end!r} and is scored whole, as lm-eval does)"
+                if task.think_end else "")]
     notes += [f"noise pass {label}: {len(cut)} cut" for label, cut in floors.items()]
     if outcome.bound_by is not None:
         notes.append(f"the allowed rise is the {outcome.bound_by}'s own rise, above max_truncation_increase")
