@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,15 +20,18 @@ __all__ = [
     "AnswerComparison",
     "AnswerRecord",
     "FlippedAnswer",
+    "Thinking",
     "binomial_se",
     "compare_answers",
     "detectable_flip_rate",
+    "final_answer",
     "flip_ratio_p",
     "flip_rule_power",
     "invalid_rate",
     "is_invalid",
     "length_drift",
     "mcnemar_exact_p",
+    "thinking_lengths",
 ]
 
 
@@ -252,6 +255,26 @@ def detectable_flip_rate(
     return high
 
 
+def final_answer(text: str, think_end: str | None, stops: Sequence[str]) -> tuple[str, int | None]:
+    """The answer a reasoning model gave, and how many characters of thinking came before it.
+
+    lm-eval's ``postprocess_generated_text``: with ``think_end`` set, the answer is the text after its
+    last occurrence, stripped on the left; then the task's stop strings cut it. The thinking is every
+    character up to the end of that marker; None when the text has none (a model that did not think, or
+    one the token budget cut while thinking): lm-eval then scores the whole text, and so does the gate.
+    """
+    thinking = None
+    if think_end:
+        head, marker, tail = text.rpartition(think_end)
+        if marker:
+            thinking = len(head) + len(marker)
+        text = tail.lstrip()
+    for stop in stops:
+        if stop:
+            text = text.split(stop)[0]
+    return text, thinking
+
+
 # What lm-eval's regex filter answers when the pattern finds nothing (RegexFilter's fallback).
 INVALID_ANSWER = "[invalid]"
 
@@ -278,3 +301,25 @@ def length_drift(base: Mapping[Hashable, str], cand: Mapping[Hashable, str]) -> 
     if base_total == 0:
         raise ComparisonError("every baseline answer is empty; a length drift is undefined")
     return sum(len(cand[doc]) for doc in shared) / base_total - 1.0
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """One run's thinking on a task (addition): characters up to and including the think_end marker."""
+
+    answers: int
+    closed: int  # answers whose text has the marker; the others are scored whole (``final_answer``)
+    mean_chars: float | None  # over the closed answers; None: none closed
+
+    def text(self) -> str:
+        mean = "-" if self.mean_chars is None else f"{self.mean_chars:.1f}"
+        return f"mean {mean} characters of thinking, {self.closed} of {self.answers} answers closed it"
+
+
+def thinking_lengths(values: Iterable[int | None | list[int | None]]) -> Thinking:
+    """Summarise the per-answer thinking lengths of a run (a doc of several requests gives a list)."""
+    flat: list[int | None] = []
+    for value in values:
+        flat.extend(value if isinstance(value, list) else [value])
+    closed = [n for n in flat if n is not None]
+    return Thinking(len(flat), len(closed), sum(closed) / len(closed) if closed else None)

@@ -13,10 +13,18 @@ from typing import Protocol
 
 import numpy as np
 
-from .answers import AnswerComparison, AnswerRecord, compare_answers, invalid_rate, length_drift
+from .answers import (
+    AnswerComparison,
+    AnswerRecord,
+    Thinking,
+    compare_answers,
+    invalid_rate,
+    length_drift,
+    thinking_lengths,
+)
 from .buckets import chunk_positions
 from .decode_phase import DecodeComparison, DecodeRun, compare_decode
-from .dumps import CUT_BY_LENGTH, read_finish_reasons, read_lm_eval_generations
+from .dumps import CUT_BY_LENGTH, read_finish_reasons, read_lm_eval_generations, read_thinking_chars
 from .errors import ComparisonError, DumpFormatError, GateError
 from .logprobs import LogprobComparison, LogprobRun, compare_logprobs
 from .record import BaselineRecord, DecodeResult, ModelResult, PassResult
@@ -189,6 +197,20 @@ class Comparisons:
         floors = {label: length_drift(base, self._texts(f"noise {label}", run, task))
                   for label, run in self.measured.noise().items() if task.name in run.samples}
         return length_drift(base, cand), floors
+
+    def thinking(self, candidate: str, task: TaskSpec) -> dict[str, Thinking]:
+        """A task with think_end: the thinking lengths of the baseline, the candidate and each noise pass."""
+        runs = {"baseline": self.measured.baseline().main,
+                f"candidate {candidate}": self.measured.candidate(candidate).main}
+        runs.update({f"noise pass {label}": run for label, run in self.measured.noise().items()
+                     if task.name in run.samples})
+        found = {}
+        for who, run in runs.items():
+            try:
+                found[who] = thinking_lengths(read_thinking_chars(run.samples[task.name], task.filter).values())
+            except DumpFormatError as err:
+                raise GateError(f"{who} on {task.name}: cannot report the thinking before think_end: {err}") from None
+        return found
 
     def _texts(self, key: str, run: PassResult, task: TaskSpec) -> dict[Hashable, str]:
         if (key, task.name) not in self._generations:

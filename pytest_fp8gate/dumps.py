@@ -32,6 +32,7 @@ __all__ = [
     "DumpFormatError",
     "read_lm_eval_generations",
     "read_finish_reasons",
+    "read_thinking_chars",
     "dump_run_id",
     "read_lm_eval_samples",
     "read_logprob_dump",
@@ -56,6 +57,9 @@ SAMPLES_RUN_ID = "fp8gate_run_id"
 # Why each generated answer ended (vLLM's finish_reason), the gate's field in a sample row.
 FINISH_REASON = "finish_reason"
 CUT_BY_LENGTH = "length"  # the finish_reason of an answer that max_tokens ended
+# A reasoning model's thinking before the answer, in characters up to and including the task's think_end
+# marker (None: the text has no marker), the gate's field in a sample row of a task that sets think_end.
+THINKING_CHARS = "thinking_chars"
 
 
 def write_logprob_dump(
@@ -239,17 +243,28 @@ def read_lm_eval_generations(path: PathLike, filter_name: str) -> dict[Any, str]
     return generations
 
 
-def read_finish_reasons(path: PathLike, filter_name: str) -> dict[Any, Any]:
-    """Each doc's ``finish_reason`` under one filter, as the gate wrote it beside lm-eval's row (a
-    string, or a list for a doc of several requests); DumpFormatError when a row has none."""
-    reasons = {}
+def _gate_field(path: PathLike, filter_name: str, field: str) -> dict[Any, Any]:
+    """Each doc's value of a field the gate wrote beside lm-eval's row, under one filter; DumpFormatError
+    when a row has none."""
+    values = {}
     for row in _rows_under(path, filter_name):
-        if FINISH_REASON not in row:
-            raise DumpFormatError(path, f"{_SAMPLES_FORMAT} with a {FINISH_REASON!r} field (doc "
+        if field not in row:
+            raise DumpFormatError(path, f"{_SAMPLES_FORMAT} with a {field!r} field (doc "
                                         f"{row.get('doc_id')!r} has none: written before the gate recorded it, "
                                         "or by another harness)")
-        reasons[row.get("doc_id")] = row[FINISH_REASON]
-    return reasons
+        values[row.get("doc_id")] = row[field]
+    return values
+
+
+def read_finish_reasons(path: PathLike, filter_name: str) -> dict[Any, Any]:
+    """Each doc's ``finish_reason`` under one filter (a string, or a list for a doc of several requests)."""
+    return _gate_field(path, filter_name, FINISH_REASON)
+
+
+def read_thinking_chars(path: PathLike, filter_name: str) -> dict[Any, Any]:
+    """Each doc's thinking length in characters under one filter (None: no think_end marker; a list for
+    a doc of several requests)."""
+    return _gate_field(path, filter_name, THINKING_CHARS)
 
 
 def _answer_record(

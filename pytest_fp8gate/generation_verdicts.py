@@ -9,7 +9,9 @@ the report); the rule rows in ``rules.RULES`` decide (``bound`` or ``judge``), a
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from . import rules
 from .commands import fp8gate_command
@@ -22,6 +24,7 @@ from .spec import TaskSpec
 from .verdict import Case, Verdict, limit_setting
 
 SIDE_BY_SIDE = "side_by_side"  # the verdict's details key holding the decode/prefill line of the report
+THINKING = "thinking"  # the details key of the answers' rules holding the thinking lengths (think_end set)
 
 
 def _figures(comparison: DecodeComparison) -> str:
@@ -129,6 +132,17 @@ def _task_limit(comparisons: Comparisons, task: TaskSpec, key: str, value: float
     return limit_setting(comparisons.config, f"tasks[{comparisons.config.tasks.index(task)}].limits.{key}", value)
 
 
+def _thinking(comparisons: Comparisons, task: TaskSpec, case: Case) -> tuple[list[str], dict[str, Any]]:
+    """With think_end set: the notes and details that put the thinking lengths beside an answers' rule,
+    which judges the answers after the marker only."""
+    if task.think_end is None:
+        return [], {}
+    found = comparisons.thinking(case.candidate, task)
+    notes = [f"judged on the answers after the last {task.think_end!r} (the thinking before it is not scored); "
+             + "; ".join(f"{who}: {thinking.text()}" for who, thinking in found.items())]
+    return notes, {THINKING: {who: asdict(thinking) for who, thinking in found.items()}}
+
+
 def length_drift_verdict(comparisons: Comparisons, task: TaskSpec, case: Case) -> Verdict:
     """Mean output length against the baseline's, next to the noise passes' own drift."""
     max_drift = task.limits.max_length_drift
@@ -138,10 +152,12 @@ def length_drift_verdict(comparisons: Comparisons, task: TaskSpec, case: Case) -
     judge = rules.BY_NAME[rules.LENGTH_DRIFT].judge
     assert judge is not None
     outcome = judge(drift, worst, max_drift, task.limits.flips_ratio)
-    notes = [f"mean length of the raw generations in characters: candidate {drift:+.2%} against the baseline "
+    what = "answers after the thinking" if task.think_end else "raw generations"
+    notes = [f"mean length of the {what} in characters: candidate {drift:+.2%} against the baseline "
              f"(MLPerf TEST09 bounds it at ±10%)"]
     notes += [f"noise pass {label}: {d:+.2%}" for label, d in floors.items()]
-    return Verdict(case, outcome, {"drift": drift, "noise_floor": floors}, tuple(notes),
+    thinking_notes, thinking = _thinking(comparisons, task, case)
+    return Verdict(case, outcome, {"drift": drift, "noise_floor": floors, **thinking}, tuple(notes + thinking_notes),
                    limit=_task_limit(comparisons, task, outcome.limit_key, getattr(task.limits, outcome.limit_key)))
 
 
@@ -159,8 +175,9 @@ def invalid_rate_verdict(comparisons: Comparisons, task: TaskSpec, case: Case) -
     notes += [f"noise pass {label}: {r:.4f}" for label, r in floors.items()]
     if outcome.bound_by is not None:
         notes.append(f"the allowed rise is the {outcome.bound_by}'s own rise, above max_invalid_increase")
-    return Verdict(case, outcome, {"baseline": base_rate, "candidate": cand_rate, "noise_floor": floors},
-                   tuple(notes), limit=_task_limit(comparisons, task, outcome.limit_key, max_increase))
+    thinking_notes, thinking = _thinking(comparisons, task, case)
+    return Verdict(case, outcome, {"baseline": base_rate, "candidate": cand_rate, "noise_floor": floors, **thinking},
+                   tuple(notes + thinking_notes), limit=_task_limit(comparisons, task, outcome.limit_key, max_increase))
 
 
 def truncation_verdict(comparisons: Comparisons, task: TaskSpec, case: Case) -> Verdict:
@@ -176,15 +193,18 @@ def truncation_verdict(comparisons: Comparisons, task: TaskSpec, case: Case) -> 
     budget = f"max_gen_toks = {task.max_gen_toks}" if task.max_gen_toks else "the task's max_gen_toks"
     notes = [f"answers ended by the token budget ({budget}; vLLM's finish_reason \"length\"): baseline "
              f"{len(base)} of {questions}, candidate {len(cand)} ({len(cand - base)} cut in the candidate only); "
-             "a cut answer is scored as written, so an answer that grew past the budget reads as wrong"]
+             "a cut answer is scored as written, so an answer that grew past the budget reads as wrong"
+             + (f" (one cut inside its thinking has no {task.think_end!r} and is scored whole, as lm-eval does)"
+                if task.think_end else "")]
     notes += [f"noise pass {label}: {len(cut)} cut" for label, cut in floors.items()]
     if outcome.bound_by is not None:
         notes.append(f"the allowed rise is the {outcome.bound_by}'s own rise, above max_truncation_increase")
+    thinking_notes, thinking = _thinking(comparisons, task, case)
     examples = tuple(f"    doc {doc}: cut in the candidate, not in the baseline"
                      for doc in sorted(cand - base, key=str)[:5])
     return Verdict(case, outcome, {"baseline_cut": len(base), "candidate_cut": len(cand), "questions": questions,
-                                   "noise_floor": {label: len(cut) for label, cut in floors.items()}},
-                   tuple(notes), examples,
+                                   "noise_floor": {label: len(cut) for label, cut in floors.items()}, **thinking},
+                   tuple(notes + thinking_notes), examples,
                    limit=_task_limit(comparisons, task, outcome.limit_key, max_increase))
 
 

@@ -14,8 +14,9 @@ from typing import Any
 
 from lm_eval.api.model import LM
 
+from .answers import final_answer
 from .atomic import atomic_write_text
-from .dumps import FINISH_REASON, SAMPLES_RUN_ID, write_lm_eval_samples
+from .dumps import FINISH_REASON, SAMPLES_RUN_ID, THINKING_CHARS, write_lm_eval_samples
 from .engine import ALL_AT_ONCE, BatchLayout, Engine
 from .spec import TaskSpec
 
@@ -38,6 +39,12 @@ class EngineLM(LM):
     leaves it to the tokenizer). ``layout`` reorders and splits the requests
     of generation and scoring alike; the results always come back in request
     order.
+
+    Reasoning models, as lm-eval's vllm and hf models take them: ``chat_template_kwargs`` go to the
+    tokenizer's chat template (one rendering path: the served engine is sent the ids rendered here), and
+    with ``think_end`` set only the text after the marker reaches lm-eval's filters. The task's stop
+    strings then cut the answer after the thinking is stripped, not the generation: they often occur
+    inside a thinking block ("\n\n", "Question:"), so the engine stops only at EOS or the token budget.
     """
 
     def __init__(
@@ -47,14 +54,20 @@ class EngineLM(LM):
         add_bos_token: bool = True,
         max_gen_toks: int | None = None,
         layout: BatchLayout = ALL_AT_ONCE,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        think_end: str | None = None,
     ) -> None:
         super().__init__()
         self.engine = engine
         self.add_bos_token = add_bos_token
         self.max_gen_toks = max_gen_toks
         self.layout = layout
-        # Why each generated answer ended, by (task, doc_id), in request order: written into the samples.
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.think_end = think_end
+        # Why each generated answer ended, and its thinking length in characters (None: no think_end
+        # marker), by (task, doc_id), in request order: written into the samples.
         self.finish_reasons: dict[tuple[Any, Any], list[str | None]] = {}
+        self.thinking: dict[tuple[Any, Any], list[int | None]] = {}
 
     @property
     def tokenizer_name(self) -> str:
@@ -69,7 +82,7 @@ class EngineLM(LM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self.engine.tokenizer.apply_chat_template(
-            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs
         )
 
     def generate_until(self, requests: list[Any]) -> list[str]:
@@ -85,11 +98,20 @@ class EngineLM(LM):
             prompts.append(self.engine.encode(context, self.add_bos_token))
             max_tokens.append(generation_budget(kwargs, self.max_gen_toks))
             stops.append(list(until))
-        generations = self.engine.generate_greedy(prompts, max_tokens, stops, self.layout)
-        for request, generation in zip(requests, generations):
+        eos = getattr(self.engine.tokenizer, "eos_token", None)
+        sent = [[s for s in until if s == eos] for until in stops] if self.think_end else stops
+        generations = self.engine.generate_greedy(prompts, max_tokens, sent, self.layout)
+        answers = []
+        for request, generation, until in zip(requests, generations, stops):
             key = (getattr(request, "task_name", None), getattr(request, "doc_id", None))
             self.finish_reasons.setdefault(key, []).append(generation.finish_reason)
-        return [g.text for g in generations]
+            if self.think_end is None:
+                answers.append(generation.text)  # the engine applied the stop strings
+                continue
+            answer, thinking = final_answer(generation.text, self.think_end, until)
+            self.thinking.setdefault(key, []).append(thinking)
+            answers.append(answer)
+        return answers
 
     def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
         prompts, lengths = [], []
@@ -135,24 +157,31 @@ def task_manager(tasks: Sequence[TaskSpec]) -> Any:
     return TaskManager(include_path=paths or None, include_defaults=builtin_needed)
 
 
-def fewshot_problem(tasks: Sequence[TaskSpec], manager: Any) -> str | None:
-    """Why a task cannot draw its few-shot examples (num_fewshot above the examples it has), found
-    before any engine starts; lm-eval would otherwise fail every question with a sampling error."""
-    def leaves(name: str) -> Iterator[Any]:
-        if hasattr(manager, "load"):  # lm-eval's flat dict of leaf tasks
-            yield from manager.load([name])["tasks"].values()
-            return
-        from lm_eval.tasks import get_task_dict  # releases before TaskManager.load: nested by group
+def _leaf_tasks(manager: Any, name: str) -> Iterator[Any]:
+    """The lm-eval tasks a configured name loads (a group's subtasks, or the task itself)."""
+    if hasattr(manager, "load"):  # lm-eval's flat dict of leaf tasks
+        yield from manager.load([name])["tasks"].values()
+        return
+    from lm_eval.tasks import get_task_dict  # releases before TaskManager.load: nested by group
 
-        def walk(found: Any) -> Iterator[Any]:
-            for value in found.values():
-                yield from walk(value) if isinstance(value, dict) else (value,)
-        yield from walk(get_task_dict([name], manager))
+    def walk(found: Any) -> Iterator[Any]:
+        for value in found.values():
+            yield from walk(value) if isinstance(value, dict) else (value,)
+    yield from walk(get_task_dict([name], manager))
 
+
+def task_problem(tasks: Sequence[TaskSpec], manager: Any) -> str | None:
+    """Why a task cannot run as configured, found before any engine starts: num_fewshot above the
+    examples it has (lm-eval would fail every question with a sampling error), or think_end on a task
+    that generates nothing (there is no thinking to cut; lm-eval refuses thinking there too)."""
     for spec in tasks:
-        for task in leaves(spec.task):
+        for task in _leaf_tasks(manager, spec.task):
             if not hasattr(task, "fewshot_docs"):  # a group's own entry
                 continue
+            if spec.think_end is not None and task.config.output_type != "generate_until":
+                return (f"tasks {spec.name!r}: think_end = {spec.think_end!r}, but {task.config.task} is a "
+                        f"{task.config.output_type} task: it generates nothing, so there is no thinking to cut; "
+                        "remove think_end")
             wanted = spec.num_fewshot if spec.num_fewshot is not None else task.config.num_fewshot or 0
             if not wanted:
                 continue
@@ -168,13 +197,15 @@ def fewshot_problem(tasks: Sequence[TaskSpec], manager: Any) -> str | None:
     return None
 
 
-def _finish_reason(lm: EngineLM, task: str, row: dict[str, Any]) -> dict[str, Any]:
-    """A generated answer's ``finish_reason`` (a list for a doc of several requests); nothing for a
-    log-likelihood task, which generates nothing."""
-    reasons = lm.finish_reasons.get((task, row.get("doc_id")))
-    if reasons is None:
-        return {}
-    return {FINISH_REASON: reasons[0] if len(reasons) == 1 else reasons}
+def _generation_fields(lm: EngineLM, task: str, row: dict[str, Any]) -> dict[str, Any]:
+    """A generated answer's ``finish_reason`` and, with think_end set, its thinking length (each a list
+    for a doc of several requests); nothing for a log-likelihood task, which generates nothing."""
+    key = (task, row.get("doc_id"))
+    found = {}
+    for field, values in ((FINISH_REASON, lm.finish_reasons.get(key)), (THINKING_CHARS, lm.thinking.get(key))):
+        if values is not None:
+            found[field] = values[0] if len(values) == 1 else values
+    return found
 
 
 def run_task(
@@ -189,7 +220,8 @@ def run_task(
     results to ``directory``."""
     from lm_eval import simple_evaluate
 
-    lm = EngineLM(engine, add_bos_token=task.add_bos_token, max_gen_toks=task.max_gen_toks, layout=layout)
+    lm = EngineLM(engine, add_bos_token=task.add_bos_token, max_gen_toks=task.max_gen_toks, layout=layout,
+                  chat_template_kwargs=dict(task.chat_template_kwargs), think_end=task.think_end)
     results = simple_evaluate(
         model=lm,
         tasks=[task.task],
@@ -201,7 +233,7 @@ def run_task(
         task_manager=manager,
         bootstrap_iters=0,
     )
-    rows = [dict(row, task=sub, **{SAMPLES_RUN_ID: run_id}, **_finish_reason(lm, sub, row))
+    rows = [dict(row, task=sub, **{SAMPLES_RUN_ID: run_id}, **_generation_fields(lm, sub, row))
             for sub, sub_rows in results["samples"].items() for row in sub_rows]
     if len(results["samples"]) > 1:
         # A task group: keep doc ids distinct across its subtasks.

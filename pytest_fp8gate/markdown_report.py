@@ -191,6 +191,10 @@ class _Candidate:
         lines = [f"### Flipped questions on {task.name}: {comparison.flips} of {comparison.questions} "
                  f"({comparison.right_to_wrong} right → wrong, {comparison.wrong_to_right} wrong → right; "
                  f"noise floor: {floor_text})", ""]
+        if task.think_end is not None:  # the answers were scored after the thinking; its length beside them
+            assert self.data.comparisons is not None
+            lines += [f"Thinking before {task.think_end!r} (not scored): {who}: {thinking.text()}"
+                      for who, thinking in self.data.comparisons.thinking(self.name, task).items()] + [""]
         assert self.data.baseline is not None and self.result is not None
         base_text = read_lm_eval_generations(self.data.baseline.result.main.samples[task.name], task.filter)
         cand_text = read_lm_eval_generations(self.result.main.samples[task.name], task.filter)

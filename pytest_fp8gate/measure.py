@@ -302,7 +302,7 @@ class Measurements:
         spec, needs = self.config.baseline, self._all_needs()
         # Only the probability and answer rules read a noise floor: a speed-only run starts no noise engine.
         passes = self.config.noise.passes if needs.probabilities or needs.tasks or needs.decode else ()
-        problem = preflight.hub_problem(self.config, self.needs) or self._fewshot_problem(needs.tasks)
+        problem = preflight.hub_problem(self.config, self.needs) or self._task_problem(needs.tasks)
         if problem:
             raise MeasurementError(problem)
         with self._running(spec, spec.name) as engine:
@@ -457,11 +457,11 @@ class Measurements:
             self._task_manager = lm_adapter.task_manager(self.config.tasks)
         return self._task_manager
 
-    def _fewshot_problem(self, names: frozenset[str]) -> str | None:
+    def _task_problem(self, names: frozenset[str]) -> str | None:
         from . import lm_adapter
 
         tasks = [task for task in self.config.tasks if task.name in names]
-        return lm_adapter.fewshot_problem(tasks, self._tasks()) if tasks else None
+        return lm_adapter.task_problem(tasks, self._tasks()) if tasks else None
 
     def _run_task(self, engine: Engine, task: TaskSpec, directory: Path, layout: BatchLayout) -> Path:
         from . import lm_adapter

@@ -164,6 +164,10 @@ class TaskSpec:
     fewshot_as_multiturn: bool = False
     include_path: Path | None = None  # absolute
     max_gen_toks: int | None = None  # None: the task's (or lm-eval's) default
+    # Reasoning models: keyword arguments of the tokenizer's chat template (enable_thinking), and the
+    # marker that ends the thinking: only the text after its last occurrence is the answer scored.
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    think_end: str | None = None
     limits: TaskLimits = TaskLimits()
 
 

@@ -268,6 +268,23 @@ _MODEL_KEYS = ("name", "model", "quantization", "engine", "env",
                *("serve", "health_timeout_s", "endpoint", "served_model_name", "api_key_env",  # issue 20
                  "request_deadline_s"))
 _FRACTION = _number(0, 1)
+
+
+def _template_kwargs(value: Any) -> dict[str, Any]:
+    """Keyword arguments of the tokenizer's chat template: a table of names to strings, numbers, booleans
+    or arrays of them (what a Jinja template reads; TOML dates are not)."""
+    if not isinstance(value, dict):
+        raise _Invalid(f"expected a table of template arguments (e.g. {{ enable_thinking = true }}), "
+                       f"got {_show(value)}")
+
+    def plain(item: Any) -> bool:
+        return isinstance(item, (str, int, float, bool)) or (isinstance(item, list) and all(map(plain, item)))
+    for name, item in value.items():
+        if not plain(item):
+            raise _Invalid(f"{name}: expected a string, number, boolean or an array of them, got {_show(item)}")
+    return dict(value)
+
+
 _POSITIVE_FRACTION = _number(0, 1, low_open=True)
 _RATIO = _number(1)  # a limit relative to BF16 or to the noise floor is never below 1
 _CORPUS_FORMS = '"wikitext-2", a text file or a table {dataset = ...}'
@@ -316,8 +333,9 @@ _TASK_CHECKS = {
     "fewshot_as_multiturn": _boolean,
     "include_path": _text(allow_empty=True),
     "max_gen_toks": _integer(1),
+    "think_end": _text(),
 }
-_TASK_KEYS = (*_TASK_CHECKS, "name", "limits")
+_TASK_KEYS = (*_TASK_CHECKS, "name", "limits", "chat_template_kwargs")
 _TASK_LIMIT_CHECKS = {
     "accuracy_se": _number(0, low_open=True),
     "two_sided": _boolean,
@@ -765,11 +783,19 @@ class _Parser:
         limits = table.table("limits", _TASK_LIMIT_CHECKS)
         spec = TaskSpec(
             name=table.get("name", _name, values["task"]),
+            chat_template_kwargs=table.get("chat_template_kwargs", _template_kwargs, {}),
             limits=TaskLimits(**limits.values(TaskLimits, _TASK_LIMIT_CHECKS)),
             **values,
         )
-        if spec.fewshot_as_multiturn and not spec.apply_chat_template:
-            raise self.error(table.key("fewshot_as_multiturn"), "has no effect unless apply_chat_template = true")
+        for key in ("fewshot_as_multiturn", "chat_template_kwargs"):
+            if key in table.raw and getattr(spec, key) and not spec.apply_chat_template:
+                raise self.error(table.key(key), "has no effect unless apply_chat_template = true")
+        if spec.chat_template_kwargs.get("enable_thinking") is True and spec.think_end is None:
+            # lm-eval refuses the same (think_end_token is required with enable_thinking=True).
+            raise self.error(table.key("think_end"), "missing: chat_template_kwargs.enable_thinking = true makes "
+                                                     "the model think before it answers; name the marker that "
+                                                     'ends the thinking (e.g. "</think>") so that only the '
+                                                     "answer after it is scored")
         return spec
 
     def directory(self, where: str, value: str | None) -> Path | None:

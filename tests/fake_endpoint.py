@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import ssl
 import threading
 import time
@@ -66,8 +67,12 @@ class Knobs:
     id_shift: int = 0
     runner_up_logprob: float | None = None
     runner_up_id: int | None = None
+    # A reasoning model: a generation (a request with stop strings) thinks this many characters after a
+    # prompt that opens "<think>", closes the block and answers the prompt's last number, within max_tokens.
+    think: int | None = None
     requests: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)  # every completion's prompt ids
 
 
 def _tokenizer() -> Any:
@@ -119,7 +124,12 @@ class FakeEndpoint:
         if body.get("model") != self.knobs.model:
             return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}}
         ids = self.prompt_ids(body["prompt"])
+        self.knobs.prompts.append(ids)
         choice: dict[str, Any] = {"index": 0, "text": " 42", "finish_reason": "length"}
+        if self.knobs.think is not None and "stop" in body:
+            choice = self._thought(ids, int(body.get("max_tokens", 16)))
+            return 200, {"id": "cmpl-fake", "object": "text_completion", "model": self.knobs.model,
+                         "choices": [choice]}
         want = body.get("prompt_logprobs")
         if want is not None and self.knobs.prompt_logprobs:
             count = VOCAB if want == -1 else want
@@ -137,6 +147,20 @@ class FakeEndpoint:
         if body.get("return_token_ids"):
             choice["token_ids"] = [0] * int(body.get("max_tokens", 16))  # what _decode writes: id 0, greedily
         return 200, {"id": "cmpl-fake", "object": "text_completion", "model": self.knobs.model, "choices": [choice]}
+
+    def _thought(self, ids: list[int], max_tokens: int) -> dict[str, Any]:
+        """A reasoning model's answer: thinking (with the stop strings a task sets inside it) if the prompt
+        opens a thinking block, then the prompt's last number; cut at max_tokens ("length")."""
+        prompt = self.tokenizer.decode(ids)
+        number = re.findall(r"\d+", prompt)[-1]
+        think = self.knobs.think or 0
+        thinking = ("Question: which? Hmm.\n\n" * (think // 8 + 1))[:think] + "</think>" \
+            if prompt.endswith("<think>") else ""
+        answer = list(self.tokenizer.encode(f"{thinking} The number is {number}.\n#### {number}",
+                                            add_special_tokens=False))
+        cut = answer[:max_tokens]
+        return {"index": 0, "text": self.tokenizer.decode(cut), "token_ids": cut,
+                "finish_reason": "length" if len(answer) > max_tokens else "stop"}
 
     def _prompt_row(self, token: int, count: int) -> dict[str, Any]:
         """One position's prompt log-probs: the real token's entry and the top ``count``, keyed by id."""

