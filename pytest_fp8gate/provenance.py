@@ -208,8 +208,12 @@ def task_fingerprint(task: TaskSpec) -> dict[str, Any]:
         "filter": task.filter, "metric": task.metric, "max_gen_toks": task.max_gen_toks,
         "add_bos_token": task.add_bos_token, "apply_chat_template": task.apply_chat_template,
         "fewshot_as_multiturn": task.fewshot_as_multiturn,
-        "chat_template_kwargs": dict(task.chat_template_kwargs), "think_end": task.think_end,
     }
+    # Named only when set, so that a task without them keeps the fingerprint (and cached baselines) it had.
+    if task.chat_template_kwargs:
+        found["chat_template_kwargs"] = dict(task.chat_template_kwargs)
+    if task.think_end is not None:
+        found["think_end"] = task.think_end
     if task.include_path is not None:
         # Any file there may be the task's YAML, an included template or its data.
         files = [p for p in task.include_path.rglob("*") if p.is_file() and "__pycache__" not in p.parts]

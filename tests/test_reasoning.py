@@ -25,6 +25,7 @@ from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.generation_verdicts import THINKING as THINKING_DETAILS
 from pytest_fp8gate.lm_adapter import EngineLM, run_task, task_manager
 from pytest_fp8gate.measure import Measurements
+from pytest_fp8gate.provenance import task_fingerprint
 from pytest_fp8gate.record import Needs
 from pytest_fp8gate.spec import ModelSpec, ServedSpec, TaskSpec
 from pytest_fp8gate.thresholds import load_config
@@ -222,3 +223,12 @@ def test_a_served_reasoning_model_end_to_end(tmp_path: Path, enabled: bool, budg
     assert {row[FINISH_REASON] for row in rows} == {"stop"} and sum(scores) == 6
     assert {row[THINKING_CHARS] for row in rows} == ({30 + len(THINK_END)} if enabled else {None})
     assert all(THINKING.split()[0] not in row["resps"][0][0] for row in rows)
+
+
+def test_the_reasoning_keys_enter_the_task_fingerprint_only_when_set() -> None:
+    plain = TaskSpec(name="t", task="t", metric="exact_match")
+    assert "think_end" not in task_fingerprint(plain) and "chat_template_kwargs" not in task_fingerprint(plain)
+    thinking = dataclasses.replace(plain, apply_chat_template=True, chat_template_kwargs={"enable_thinking": True},
+                       think_end="</think>")
+    assert task_fingerprint(thinking)["think_end"] == "</think>"
+    assert task_fingerprint(thinking)["chat_template_kwargs"] == {"enable_thinking": True}
