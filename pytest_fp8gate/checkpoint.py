@@ -46,8 +46,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def read_header(path: Path) -> dict[str, dict]:
-    """The JSON header of a safetensors file: 8-byte little-endian length, then JSON."""
+def header_bytes(path: Path) -> bytes:
+    """The raw header block of a safetensors file: 8-byte little-endian length, then that many bytes."""
     try:
         with path.open("rb") as f:
             prefix = f.read(8)
@@ -56,11 +56,17 @@ def read_header(path: Path) -> dict[str, dict]:
             (length,) = struct.unpack("<Q", prefix)
             if length > _MAX_HEADER:
                 raise RooflineError(f"{path}: header length {length} is not plausible for safetensors")
-            header = json.loads(f.read(length))
-    except RooflineError:
-        raise  # a ValueError too, but already names the file
+            return f.read(length)
     except OSError as err:
         raise RooflineError(f"{path}: cannot read: {err}") from None
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """The JSON header of a safetensors file (tensor names, dtypes, shapes, offsets)."""
+    try:
+        header = json.loads(header_bytes(path))
+    except RooflineError:
+        raise  # a ValueError too, but already names the file
     except ValueError as err:
         raise RooflineError(f"{path}: header is not valid JSON: {err}") from None
     if not isinstance(header, dict):

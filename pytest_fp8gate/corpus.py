@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .checkpoint import read_json, vocab_size
 from .errors import CorpusError
 from .spec import DatasetCorpus, FileCorpus, ProbabilitySpec
 
@@ -67,6 +67,5 @@ def vocab_size_hint(model: str) -> int:
     """The vocabulary size from a local checkpoint's config.json, before any engine starts."""
     config = Path(model) / "config.json"
     if config.is_file():
-        raw = json.loads(config.read_text())
-        return int(raw.get("vocab_size") or raw.get("text_config", {}).get("vocab_size") or UNKNOWN_VOCAB)
+        return vocab_size(read_json(config)) or UNKNOWN_VOCAB
     return UNKNOWN_VOCAB

@@ -15,14 +15,13 @@ import json
 import os
 import platform
 import shutil
-import struct
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from . import hardware
-from .checkpoint import kv_cache_scales
+from .checkpoint import header_bytes, kv_cache_scales
 from .errors import RooflineError
 from .spec import DatasetCorpus, FileCorpus, ModelSpec, TaskSpec
 
@@ -111,13 +110,6 @@ def tree_sha256(paths: Iterable[Path], root: Path) -> str:
     return digest.hexdigest()
 
 
-def _safetensors_header(path: Path) -> bytes:
-    # The header (tensor names, dtypes, shapes, offsets) is a length-prefixed JSON block.
-    with open(path, "rb") as handle:
-        size = struct.unpack("<Q", handle.read(8))[0]
-        return handle.read(min(size, _WHOLE_FILE_LIMIT))
-
-
 def weights_fingerprint(directory: Path) -> str:
     """Hash of a checkpoint directory: safetensors headers and sizes, other small files whole.
 
@@ -129,7 +121,7 @@ def weights_fingerprint(directory: Path) -> str:
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and ".cache" not in p.parts):
         size = path.stat().st_size
         if path.suffix == ".safetensors":
-            content = hashlib.sha256(_safetensors_header(path)).hexdigest()
+            content = hashlib.sha256(header_bytes(path)).hexdigest()
         elif size <= _WHOLE_FILE_LIMIT:
             content = file_sha256(path)
         else:

@@ -3,12 +3,15 @@ that tokenizing the whole text gives."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from pytest_fp8gate import corpus
+from pytest_fp8gate.checkpoint import vocab_size
+from pytest_fp8gate.corpus import UNKNOWN_VOCAB, vocab_size_hint
 from pytest_fp8gate.engine import Engine
 from pytest_fp8gate.spec import FileCorpus, ProbabilitySpec
 
@@ -45,3 +48,11 @@ def test_the_chunks_start_with_bos_and_cover_the_text_in_order(engine: SimpleNam
     bos = engine.tokenizer.bos_token_id
     assert [chunk[0] for chunk in chunks] == [bos] * 3
     assert sum((chunk[1:] for chunk in chunks), []) == whole[:3 * 255]
+
+
+def test_the_vocabulary_hint_reads_a_multimodal_config_as_the_roofline_does(tmp_path: Path) -> None:
+    # A wrapper's top-level vocab_size can count image tokens; the language model's is in text_config.
+    config = {"vocab_size": 262_208, "text_config": {"vocab_size": 262_144}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert vocab_size_hint(str(tmp_path)) == vocab_size(config) == 262_144
+    assert vocab_size_hint(str(tmp_path / "absent")) == UNKNOWN_VOCAB
