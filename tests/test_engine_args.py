@@ -9,7 +9,7 @@ import pytest
 
 from pytest_fp8gate import engine_args
 from pytest_fp8gate.thresholds import ConfigError, load_config
-from test_config import MINIMAL
+from test_thresholds import MINIMAL
 
 MODELS = MINIMAL
 
