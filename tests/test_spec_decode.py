@@ -36,7 +36,8 @@ output_len = 16
 min_throughput_fraction = 0.01
 """
 SPECULATIVE = "[speculative]\nmin_acceptance_ratio = 0.9\n"
-PROBABILITIES = '[probabilities]\ncorpus = "c.txt"\nchunks = 1\nchunk_tokens = 100\n[probabilities.limits]\nmax_mean_kl = 0.01\n'
+PROBABILITIES = ('[probabilities]\ncorpus = "c.txt"\nchunks = 1\nchunk_tokens = 100\n'
+                 "[probabilities.limits]\nmax_mean_kl = 0.01\n")
 
 
 # ---- the counters ----------------------------------------------------------------
@@ -140,8 +141,9 @@ def test_a_speculative_table_the_models_cannot_serve_is_one_config_error(tmp_pat
 
 
 def test_serve_commands_with_the_flag_load(tmp_path: Path):
+    fp8 = f"{SERVE} --quantization fp8_per_channel {NGRAM}"
     config = load_config(_write(tmp_path, f"name = \"bf16\"\nserve = \"\"\"{SERVE} {NGRAM}\"\"\"\n",
-                                f"name = \"fp8\"\nserve = \"\"\"{SERVE} --quantization fp8_per_channel {NGRAM}\"\"\"\n"))
+                                f"name = \"fp8\"\nserve = \"\"\"{fp8}\"\"\"\n"))
     assert config.speculative is not None and config.speculative.min_acceptance_ratio == 0.9
 
 
