@@ -318,7 +318,6 @@ class Gate:
         key = outcome.limit_key
         return Verdict(case, outcome, details, tuple(notes), limit=self._limit(f"load.{key}", getattr(load, key)))
 
-
     # ---- speculative decoding (issue 34): served models ----------------------
 
     def acceptance(self, case: Case) -> Verdict:

@@ -678,7 +678,7 @@ def acceptance_at_least(candidate: SpecDecodeCounts, baseline: SpecDecodeCounts,
         rows += [(f"{who} drafts", counts.drafts), (f"{who} accepted tokens", counts.accepted_tokens),
                  (f"{who} draft acceptance rate", counts.draft_acceptance_rate),
                  (f"{who} mean acceptance length", counts.mean_acceptance_length)]
-    rows.append(("candidate / baseline", ratio))
+    rows.append(("candidate / baseline mean acceptance length (addition)", ratio))
     figures = {"baseline_mean_acceptance_length": baseline.mean_acceptance_length,
                "candidate_mean_acceptance_length": candidate.mean_acceptance_length}
     return _outcome(ACCEPTANCE, ratio, min_acceptance_ratio, ratio - min_acceptance_ratio, rows,
@@ -729,7 +729,7 @@ RULES: tuple[Rule, ...] = (
     Rule(SPEED, "test_decode_speed_near_ceiling", "speed", "min_share_of_baseline", judge=decode_speed),
     # Issue 20: served models only (the loader refuses [load] for an in-process model).
     Rule(LOAD, "test_throughput_under_load", "load", "min_throughput_fraction", judge=throughput_under_load),
-    # Issue 34: served models with --speculative-config; optional ([speculative] sets its limit).
+    # An optional addition (issue 34): served models with --speculative-config; [speculative] sets its limit.
     Rule(ACCEPTANCE, "test_acceptance_length", "speculative", "min_acceptance_ratio", judge=acceptance_at_least),
     # Optional additions (issue 22): fidelity on generated text and the answers' form.
     Rule("decode_same_top", "test_decode_same_top", "decode", "min_same_top", at_least, 1.0, "same_top_se"),
