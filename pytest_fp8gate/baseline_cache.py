@@ -35,6 +35,7 @@ from .logprobs import LogprobRun
 from .record import DECODE_DUMP, FLOOR_DUMP, PREFILL_DUMP, BaselineRecord, DecodeResult, ModelResult, Needs, PassResult
 from .rules import LoadLevel
 from .spec import GateConfig, LoadSpec, ModelSpec
+from .spec_decode import Window
 
 FORMAT = 1  # bump when the entry layout or the meaning of a stored number changes
 MANIFEST = "manifest.json"
@@ -79,6 +80,8 @@ def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, An
         # Like env: only when measured, so that entries without load keep their keys.
         **({"load": _load_key(config.load)} if config.load is not None and needs.load else {}),
     }
+    if needs.speculative:  # as decode: only then, so existing entries keep their keys
+        key["needs"]["speculative"] = True
     if needs.decode and config.decode is not None:  # joins the key only then, so existing entries keep theirs
         key["needs"]["decode"] = True
         key["decode"] = {name: getattr(config.decode, name) for name in ("prompts", "prompt_tokens", "new_tokens")}
@@ -368,6 +371,7 @@ def _serialise(record: BaselineRecord, root: Path) -> dict[str, Any]:
         "vocab_size": result.vocab_size,
         "latency": result.latency.as_dict() if result.latency else None,
         "load": [dataclasses.asdict(level) for level in result.load] if result.load is not None else None,
+        "spec_decode": [w.as_dict() for w in result.spec_decode] if result.spec_decode is not None else None,
         "chunks": record.chunks,
         "id_scoring_refusal": record.id_scoring_refusal,
         "engine_runs": record.engine_runs,
@@ -424,6 +428,11 @@ def _restore(stored: dict[str, Any], root: Path, spec: ModelSpec, entry: Path, k
             raise CacheEntryError(f"{entry / RECORD}: has no load levels, which [load] needs")
         result.load = [LoadLevel(**{**level, "ttft_s": tuple(level["ttft_s"]), "tpot_s": tuple(level["tpot_s"])})
                        for level in levels]
+    if key["needs"].get("speculative"):  # the acceptance rule judges a cached baseline by its stored counters
+        windows = stored.get("spec_decode")
+        if not windows:
+            raise CacheEntryError(f"{entry / RECORD}: has no speculative-decoding counters, which [speculative] needs")
+        result.spec_decode = [Window.from_dict(w) for w in windows]
     decode, floor = _restore_decode(stored.get("decode"), root)
     record = BaselineRecord(result, {label: _restore_pass(p, root) for label, p in stored["noise"].items()},
                             stored["chunks"], stored["id_scoring_refusal"], stored["engine_runs"], decode, floor,

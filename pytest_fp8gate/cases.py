@@ -44,6 +44,8 @@ def _cases(rule: rules.Rule, config: GateConfig) -> list[Case]:
         return [Case(rule.name, c.name) for c in config.candidates] if config.speed else []
     if rule.kind == "load":
         return [Case(rule.name, c.name) for c in config.candidates] if config.load else []
+    if rule.kind == "speculative":
+        return [Case(rule.name, c.name) for c in config.candidates] if config.speculative else []
     if rule.kind == "decode":
         limits: Any = config.decode.limits if config.decode else None
     else:
@@ -65,6 +67,7 @@ def needs_of(cases: list[Case]) -> dict[str, Needs]:
             speed=kind == "speed",
             decode=kind == "decode",
             load=kind == "load",
+            speculative=kind == "speculative",
         )
         needs[case.candidate] = needs.get(case.candidate, Needs()) | need
     return needs

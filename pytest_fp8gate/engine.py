@@ -25,6 +25,7 @@ from .errors import IdScoringUnavailable, MeasurementError
 from .logprobs import LogprobRun
 from .rules import LoadLevel
 from .spec import LoadSpec, ModelSpec
+from .spec_decode import Reading
 
 log = logging.getLogger("fp8gate")
 
@@ -328,6 +329,12 @@ class Engine:
         """Speed under load at each of ``spec``'s concurrencies: only a served model has it (the loader
         refuses [load] for an in-process one, so this is never reached from a valid config)."""
         raise MeasurementError(f"{self.spec.name}: [load] measures a served endpoint; this model runs in-process")
+
+    def spec_decode_reading(self) -> Reading:
+        """Speculative decoding's counters now: only a served model's /metrics has them (the loader refuses
+        [speculative] for an in-process one)."""
+        return Reading(None, missing=f"{self.spec.name} runs in-process; its speculative-decoding counters are "
+                                     "read from a server's /metrics")
 
     # ---- teardown ----------------------------------------------------------
 

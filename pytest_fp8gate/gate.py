@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import generation_verdicts, roofline, rules
+from . import generation_verdicts, roofline, rules, spec_decode
 from .answers import AnswerComparison
 from .commands import compare_logprobs_command, flips_command, roofline_command
 from .comparisons import Comparisons, Measured
@@ -43,6 +43,7 @@ class Gate:
         # so do the decode phase's (generation_verdicts.decode_phase).
         self._judges: dict[str, Callable[[Case], Verdict]] = {rules.ACCURACY: self.accuracy, rules.FLIPS: self.flips,
                                                               rules.SPEED: self.speed, rules.LOAD: self.load,
+                                                              rules.ACCEPTANCE: self.acceptance,
                                                               rules.DECODE_GAP: self.decode_gap,
                                                               rules.LENGTH_DRIFT: self.length_drift,
                                                               rules.INVALID_RATE: self.invalid_rate,
@@ -377,6 +378,34 @@ class Gate:
                    "kv_cache_tokens": result.kv_cache_tokens, "baseline_kv_cache_tokens": base.kv_cache_tokens}
         key = outcome.limit_key
         return Verdict(case, outcome, details, tuple(notes), limit=self._limit(f"load.{key}", getattr(load, key)))
+
+    # ---- speculative decoding (issue 34): served models ----------------------
+
+    def acceptance(self, case: Case) -> Verdict:
+        speculative = self.config.speculative
+        assert speculative is not None
+        result, base = self.measurements.candidate(case.candidate), self.measurements.baseline()
+        judge = rules.BY_NAME[rules.ACCEPTANCE].judge
+        assert judge is not None
+        try:
+            counts = [spec_decode.total(model.spec_decode, model.spec.name) for model in (result, base)]
+            outcome = judge(*counts, speculative.min_acceptance_ratio)
+        except ValueError as err:
+            raise GateError(f"acceptance: cannot judge {case.candidate} against {base.spec.name}: {err}") from None
+        notes = ["mean acceptance length = 1 + accepted tokens / drafts (vLLM's gsm8k CI), from vllm:spec_decode_* "
+                 "counters read at /metrics before and after the " + " and ".join(
+                     w.label for w in base.spec_decode or []) + " pass of each model (the same requests for both)",
+                 *(f"{model.spec.name}: --speculative-config {_speculative_config(model)}" for model in (base, result))]
+        details = {"windows": [w.as_dict() for w in result.spec_decode or []],
+                   "baseline_windows": [w.as_dict() for w in base.spec_decode or []]}
+        return Verdict(case, outcome, details, tuple(notes),
+                       limit=self._limit("speculative.min_acceptance_ratio", speculative.min_acceptance_ratio))
+
+
+def _speculative_config(model: ModelResult) -> str:
+    served = model.spec.served
+    found = spec_decode.speculative_config(served.command) if served is not None else None
+    return found if found is not None else "(not on a command line the gate started: an external endpoint)"
 
 
 def _load_roofline(load: LoadSpec, models: dict[str, ModelResult]) -> list[str]:

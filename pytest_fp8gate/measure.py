@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import numpy as np
 
 from . import capabilities as capabilities_mod
-from . import checkpoint, decode_passes, gpu_bandwidths, hardware, preflight, provenance, timing
+from . import checkpoint, decode_passes, gpu_bandwidths, hardware, preflight, provenance, spec_decode, timing
 from . import corpus as corpus_mod
 from . import stack as stack_mod
 from .atomic import atomic_write_text
@@ -41,6 +41,13 @@ BATCH_ORDER = BatchLayout(reverse=True, stride=NOISE_STRIDE)  # for prompt logpr
 # cached one by this times the batch-order floor's difference on it, and by this many nats in any case.
 DRIFT_FLOOR_FACTOR = 2.0
 DRIFT_MIN_NATS = 1e-3
+
+
+def _with_generating_passes(need: Needs, config: GateConfig) -> Needs:
+    """The acceptance rule reads the counters around every task and [load]'s levels, whichever rules asked."""
+    if not need.speculative:
+        return need
+    return need | Needs(tasks=frozenset(task.name for task in config.tasks), load=config.load is not None)
 
 
 def _mean_abs_difference(a: np.ndarray, b: np.ndarray) -> float:
@@ -69,7 +76,7 @@ class Measurements:
         self.engine_class = engine_class
         self.config = config
         self.artifacts = artifacts
-        self.needs = needs
+        self.needs = {name: _with_generating_passes(need, config) for name, need in needs.items()}
         self.announce = announce
         self.baseline_cache = baseline_cache
         self.baseline_record: BaselineRecord | None = None
@@ -366,8 +373,11 @@ class Measurements:
         self.announce(f"fp8gate: measured {spec.name} [decode]: {time.perf_counter() - started:.1f} s")
 
     def _measure_with(self, engine: Engine, spec: ModelSpec, needs: Needs) -> ModelResult:
+        before = engine.spec_decode_reading() if needs.speculative else None
         main = self._passes(engine, spec, needs, "main")
         result = ModelResult(spec, main, engine.start_s, engine.kv_cache_tokens(), engine.vocab_size)
+        if before is not None:  # the main pass only: the baseline's noise passes and the speed run are not in it
+            result.spec_decode = [spec_decode.window("main", before, engine.spec_decode_reading())]
         stack = engine.facts().get("stack")
         result.served_otherwise = stack_mod.served_otherwise(stack) if stack else None
         if needs.speed and self.config.speed is not None:
@@ -384,8 +394,12 @@ class Measurements:
         if not needs.load or self.config.load is None:
             return
         started = time.perf_counter()
+        before = engine.spec_decode_reading() if needs.speculative else None
         with self.time.span(result.spec.name, "load"):
             result.load = engine.load_levels(self.config.load)
+        if before is not None:
+            result.spec_decode = [*(result.spec_decode or []),
+                                  spec_decode.window("load", before, engine.spec_decode_reading())]
         self._write_engine_facts(result.spec.name, result, engine)  # engine.json gets the levels
         self.announce(f"fp8gate: measured {result.spec.name} [load]: " + ", ".join(
             f"c={level.concurrency} {level.output_tok_s:.1f} tok/s" for level in result.load)
@@ -482,6 +496,7 @@ class Measurements:
             "kv_cache_tokens": result.kv_cache_tokens,
             "latency": result.latency.as_dict() if result.latency else None,
             "load": [level.as_dict() for level in result.load] if result.load is not None else None,
+            "spec_decode": [w.as_dict() for w in result.spec_decode] if result.spec_decode is not None else None,
             "provenance": self._pass_provenance(result.spec, engine),
         }
         atomic_write_text(self.artifacts / name / "engine.json", json.dumps(facts, indent=1))

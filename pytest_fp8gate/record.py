@@ -19,6 +19,7 @@ from .engine import Latency
 from .logprobs import LogprobRun
 from .rules import LoadLevel
 from .spec import BATCH_ORDER_PASS, FP16_PASS, FP32_PASS, ModelSpec, TaskSpec
+from .spec_decode import Window
 
 # The noise pass re-runs the baseline in one call, as the main pass, but in another order:
 # every NOISE_STRIDE-th request first, reversed, so each request reaches the engine between
@@ -47,10 +48,12 @@ class Needs:
     speed: bool = False
     decode: bool = False  # the decode phase (decode_passes): continuations, and prefills of their ids
     load: bool = False  # speed under load at a served endpoint (load.py)
+    # Speculative decoding's counters around the task and load passes (spec_decode.py), which it then needs too.
+    speculative: bool = False
 
     def __or__(self, other: "Needs") -> "Needs":
         return Needs(self.probabilities or other.probabilities, self.tasks | other.tasks, self.speed or other.speed,
-                     self.decode or other.decode, self.load or other.load)
+                     self.decode or other.decode, self.load or other.load, self.speculative or other.speculative)
 
 
 @dataclass
@@ -84,6 +87,8 @@ class ModelResult:
     served_otherwise: str | None = None
     # [load]'s levels, in its concurrencies' order (None: not measured; the baseline cache stores them).
     load: list[LoadLevel] | None = None
+    # Speculative decoding's counters over the main pass and [load]'s levels (None: not read; cached with the rest).
+    spec_decode: list[Window] | None = None
 
 
 @dataclass

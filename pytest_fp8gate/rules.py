@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .answers import binomial_se, detectable_flip_rate, flip_ratio_p
+from .spec_decode import SpecDecodeCounts
 
 __all__ = [
     "RULES",
@@ -48,6 +49,7 @@ __all__ = [
     "LoadLevel",
     "throughput_fractions",
     "throughput_under_load",
+    "acceptance_at_least",
 ]
 
 Row = tuple[str, float]
@@ -56,6 +58,8 @@ Row = tuple[str, float]
 ACCURACY, FLIPS, SPEED = "accuracy", "flips", "speed"
 # Speed under load at a served endpoint (issue 20): throughput against the baseline's, optional latency SLOs.
 LOAD = "load"
+# Issue 34, served models with --speculative-config: the candidate's mean acceptance length against the baseline's.
+ACCEPTANCE = "acceptance"
 # Optional task rules on the answers' form (collected only where their limit is set).
 LENGTH_DRIFT, INVALID_RATE = "length_drift", "invalid_rate"
 # Optional: candidate over baseline accuracy (llm-compressor's recovery, MLPerf's share of the reference).
@@ -665,6 +669,27 @@ def throughput_under_load(candidate: Sequence[LoadLevel], baseline: Sequence[Loa
     return _outcome(LOAD, measured, limit, margin, rows, key, figures, bound_by=f"concurrency {c}")
 
 
+def acceptance_at_least(candidate: SpecDecodeCounts, baseline: SpecDecodeCounts,
+                        min_acceptance_ratio: float) -> RuleOutcome:
+    """The candidate's mean acceptance length (1 + accepted / drafts, vLLM's gsm8k CI) at least
+    ``min_acceptance_ratio`` x the baseline's, over the same requests. A plain ratio, with no SE
+    allowance: the counters give sums only, and drafts within a request are not independent."""
+    for who, counts in (("candidate", candidate), ("baseline", baseline)):
+        if not counts.drafts > 0:
+            raise ValueError(f"the {who} proposed no draft")
+    ratio = candidate.mean_acceptance_length / baseline.mean_acceptance_length
+    rows: list[Row] = []
+    for who, counts in (("baseline", baseline), ("candidate", candidate)):
+        rows += [(f"{who} drafts", counts.drafts), (f"{who} accepted tokens", counts.accepted_tokens),
+                 (f"{who} draft acceptance rate", counts.draft_acceptance_rate),
+                 (f"{who} mean acceptance length", counts.mean_acceptance_length)]
+    rows.append(("candidate / baseline mean acceptance length (addition)", ratio))
+    figures = {"baseline_mean_acceptance_length": baseline.mean_acceptance_length,
+               "candidate_mean_acceptance_length": candidate.mean_acceptance_length}
+    return _outcome(ACCEPTANCE, ratio, min_acceptance_ratio, ratio - min_acceptance_ratio, rows,
+                    "min_acceptance_ratio", figures)
+
+
 def is_overhead_bound(speed: DecodeSpeed, overhead_bound_below: float) -> bool:
     """Bytes explain too little of the step time for the bandwidth ceiling to apply."""
     return speed.share < overhead_bound_below
@@ -681,7 +706,7 @@ class Rule:
     candidate and task ("task"), or per candidate on generated text ("decode"); a
     "bucket" rule is a probability rule judged on its worst position bucket.
     ``limit_key`` is its limit's key in [probabilities.limits], [decode.limits],
-    a task's limits, [speed] or [load]; a probability or decode rule, and a task rule
+    a task's limits, [speed], [load] or [speculative]; a probability or decode rule, and a task rule
     whose limit has no default, is collected only where that limit is set. A
     probability rule, and a decode rule on the baseline's continuations, is
     decided by its ``bound``, any other rule by its ``judge``: functions of
@@ -690,7 +715,7 @@ class Rule:
 
     name: str
     test: str
-    kind: Literal["probability", "bucket", "task", "speed", "decode", "load"]
+    kind: Literal["probability", "bucket", "task", "speed", "decode", "load", "speculative"]
     limit_key: str
     bound: Callable[..., RuleOutcome] | None = None  # probability rules: at_least or at_most the limit
     ideal: float | None = None  # probability rules: the metric for two identical runs
@@ -710,6 +735,8 @@ RULES: tuple[Rule, ...] = (
     Rule(SPEED, "test_decode_speed_near_ceiling", "speed", "min_share_of_baseline", judge=decode_speed),
     # Issue 20: served models only (the loader refuses [load] for an in-process model).
     Rule(LOAD, "test_throughput_under_load", "load", "min_throughput_fraction", judge=throughput_under_load),
+    # An optional addition (issue 34): served models with --speculative-config; [speculative] sets its limit.
+    Rule(ACCEPTANCE, "test_acceptance_length", "speculative", "min_acceptance_ratio", judge=acceptance_at_least),
     # Optional additions (issue 22): fidelity on generated text and the answers' form.
     Rule("decode_same_top", "test_decode_same_top", "decode", "min_same_top", at_least, 1.0, "same_top_se"),
     Rule("decode_rms_dp", "test_decode_rms_dp", "decode", "max_rms_dp", at_most, 0.0, "rms_dp_se"),

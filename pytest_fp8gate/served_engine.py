@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import corpus as corpus_mod
-from . import endpoint_probe, load
+from . import endpoint_probe, load, spec_decode
 from .capabilities import EngineCapabilities
 from .engine import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
 from .errors import EndpointError, IdScoringUnavailable
@@ -213,6 +213,15 @@ class ServedEngine(Engine):
 
     def load_levels(self, spec: LoadSpec, seed: int = 0) -> list[LoadLevel]:
         return load.measure_levels(self.client, self.served.served_model_name, spec, self.vocab_size, seed)
+
+    def spec_decode_reading(self) -> spec_decode.Reading:
+        try:
+            text = self.client.get_text("/metrics")
+        except EndpointError as err:
+            return spec_decode.Reading(None, missing=f"{self.where}: /metrics: {err}")
+        reading = spec_decode.parse_metrics(text)
+        return reading if reading.counts is not None else spec_decode.Reading(
+            None, missing=f"{self.where}: {reading.missing}")
 
     # ---- teardown ----------------------------------------------------------
 

@@ -224,6 +224,15 @@ class LoadSpec:
 
 
 @dataclass(frozen=True)
+class SpeculativeSpec:
+    """Speculative decoding on the served models (issue 34): the acceptance counters are read around the
+    task and [load] passes of every model, each served with --speculative-config."""
+
+    # The candidate's mean acceptance length at least this x the baseline's; required (no default measured).
+    min_acceptance_ratio: float
+
+
+@dataclass(frozen=True)
 class DecodeLimits:
     """Limits on generated positions; every one optional (an unset one collects no rule)."""
 
@@ -263,6 +272,7 @@ class GateConfig:
     deterministic_scheduling: bool = False
     decode: DecodeSpec | None = None  # the decode-phase check; needs [probabilities] for its prompts
     load: LoadSpec | None = None  # speed under load; every model served
+    speculative: SpeculativeSpec | None = None  # the acceptance rule; every model served with speculative decoding
 
 
 def with_request_deadline(config: GateConfig, seconds: float) -> GateConfig:

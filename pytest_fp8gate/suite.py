@@ -50,6 +50,10 @@ def test_throughput_under_load(fp8gate: GateSession, case, request: pytest.Fixtu
     fp8gate.enforce(case, request.node)
 
 
+def test_acceptance_length(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
 def test_decode_same_top(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
     fp8gate.enforce(case, request.node)
 

@@ -16,7 +16,7 @@ from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Collection, Sequence, TypeVar
 
-from . import checkpoint, engine_args, gpu_bandwidths, http_client, roofline, server_process
+from . import checkpoint, engine_args, gpu_bandwidths, http_client, roofline, server_process, spec_decode
 from .errors import CheckpointError, ConfigError, RooflineError, UnsupportedEngine
 from .rules import FLIP_RULES, RULES, SPEED_RULES
 from .spec import (
@@ -36,6 +36,7 @@ from .spec import (
     ProbabilityLimits,
     ProbabilitySpec,
     ServedSpec,
+    SpeculativeSpec,
     SpeedSpec,
     TaskLimits,
     TaskSpec,
@@ -396,6 +397,7 @@ _LOAD_CHECKS = {
     "max_ttft_p99_s": _number(0, low_open=True),
     "max_tpot_p99_s": _number(0, low_open=True),
 }
+_SPECULATIVE_CHECKS = {"min_acceptance_ratio": _number(0, low_open=True)}
 
 
 # --- tables -------------------------------------------------------------------
@@ -451,7 +453,8 @@ class _Parser:
 
     def gate(self, raw: dict[str, Any], path: Path) -> GateConfig:
         top = _Table(self, "", raw, ("device", "deterministic_scheduling", "baseline", "candidates", "noise",
-                                     "probabilities", "decode", "tasks", "speed", "load"))
+                                     "probabilities", "decode", "tasks", "speed", "load",
+                                     "speculative"))
         if "baseline" not in raw:
             raise self.error("baseline", "missing required table [baseline]")
         baseline = self.model_spec(top.table("baseline", _MODEL_KEYS), None)
@@ -483,6 +486,8 @@ class _Parser:
             deterministic_scheduling=top.get("deterministic_scheduling", _boolean, False),
             decode=self.decode(top.table("decode", (*_DECODE_CHECKS, "limits"))) if "decode" in raw else None,
             load=self.load(top.table("load", _LOAD_CHECKS), device) if "load" in raw else None,
+            speculative=SpeculativeSpec(**top.table("speculative", _SPECULATIVE_CHECKS).values(
+                SpeculativeSpec, _SPECULATIVE_CHECKS)) if "speculative" in raw else None,
         )
         if config.probabilities is None and not config.tasks and config.speed is None and config.load is None:
             raise self.error("(top level)", "expected at least one check: [probabilities], [[tasks]], [speed] "
@@ -493,6 +498,7 @@ class _Parser:
         self.check_top_k_fits(config)
         self.check_speed_models(config)
         self.check_load_served(config)
+        self.check_speculative(config)
         return config
 
     # models
@@ -834,12 +840,31 @@ class _Parser:
 
     def check_load_served(self, config: GateConfig) -> None:
         """Load is measured at an endpoint: refuse [load] now rather than skip its rule at an in-process model."""
-        if config.load is None:
-            return
+        if config.load is not None:
+            self.require_served(config, "load")
+
+    def require_served(self, config: GateConfig, table: str) -> None:
         for where, spec in {"baseline": config.baseline, **_indexed("candidates", config.candidates)}.items():
             if spec.served is None:
-                raise self.error("load", f"needs every model served, but {where} ({spec.name}) runs in-process "
-                                         "(vllm.LLM); expected serve or endpoint in each model's table, or no [load]")
+                raise self.error(table, f"needs every model served, but {where} ({spec.name}) runs in-process "
+                                        "(vllm.LLM); expected serve or endpoint in each model's table, or no "
+                                        f"[{table}]")
+
+    def check_speculative(self, config: GateConfig) -> None:
+        """The acceptance rule reads a server's counters over generated tokens: every model served, each serve
+        command with --speculative-config (an endpoint's counters are checked when it is measured), and a
+        pass that generates."""
+        if config.speculative is None:
+            return
+        self.require_served(config, "speculative")
+        for where, spec in {"baseline": config.baseline, **_indexed("candidates", config.candidates)}.items():
+            assert spec.served is not None
+            if spec.served.managed and spec_decode.speculative_config(spec.served.command) is None:
+                raise self.error(f"{where}.serve", f"{spec.name}'s serve command has no --speculative-config, which "
+                                                   "[speculative] needs on every model (the same config on each)")
+        if not config.tasks and config.load is None:
+            raise self.error("speculative", "drafts are counted while tokens are generated: expected [[tasks]] or "
+                                            "[load] (around whose passes the counters are read)")
 
     def check_top_k_fits(self, config: GateConfig) -> None:
         """vLLM refuses more log-probs per position than the vocabulary has (known for a local baseline)."""

@@ -7,7 +7,8 @@ another model name, a key,
 a redirect to another host, a tokenizer that cuts text otherwise, a slower stream
 or first token, streams one at a time, other weights behind the same name, requests never
 answered, answers dripped a byte at a time, streams that fail, an error that quotes the
-Authorization header); the measurements themselves are tested against real ``vllm serve`` processes.
+Authorization header, a speculator's acceptance, a restart that resets its counters); the measurements
+themselves are tested against real ``vllm serve`` processes.
 Every wait of a fault ends when the fake closes, or after ``HANG_S``.
 Text prompts are cut by the embedded model's tokenizer, as the real server's.
 """
@@ -28,6 +29,7 @@ VOCAB = 259
 STREAM_TOKEN_S = 0.005  # between streamed tokens
 HANG_S = 60.0  # the longest a never-answered request holds its thread
 STREAM_FAULTS = ("abort", "error-event", "drop", "status")
+SPEC_TOKENS = 3  # the fake speculator's num_speculative_tokens
 
 
 def _logprob(rank: int, scale: float = 1.0) -> float:
@@ -60,6 +62,12 @@ class Knobs:
     # error event, the connection closed after one token without [DONE], or HTTP 500.
     stream_fault: str | None = None
     stream_fault_every: int = 10
+    # A speculator (vLLM's vllm:spec_decode_* counters on /metrics): each draft accepts this many tokens, so the
+    # mean acceptance length is 1 + it; None: no speculative decoding, no counters. Idle: counters that never move.
+    # Restart: every spec_restart_every-th /metrics read finds a new server (counters at 0, a new creation time).
+    spec_accepted_per_draft: float | None = None
+    spec_idle: bool = False
+    spec_restart_every: int | None = None
     echo_authorization: bool = False  # completions answer 400, quoting the request's Authorization header
     tls: tuple[str, str] | None = None  # (certificate, key) files: serve HTTPS
     # Prompt log-probs that must not pass: another model's distribution (rank r on id (r + id_shift) mod VOCAB),
@@ -91,7 +99,9 @@ class FakeEndpoint:
         self.knobs = knobs
         self.one_at_a_time = threading.Lock()  # held while streaming, with Knobs.serialized
         self.counting = threading.Lock()
-        self.completions = self.streams = 0
+        self.completions = self.streams = self.metrics_reads = 0
+        self.spec = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
+        self.spec_created = 1.7e9
         self.closing = threading.Event()  # set on leaving: every hung request ends
         self.hung_at: list[float] = []  # time.monotonic() of each request left unanswered
         self.tokenizer = _tokenizer()
@@ -120,6 +130,34 @@ class FakeEndpoint:
             return [(i + 1) % VOCAB for i in ids] if self.knobs.shifted_tokenizer else ids
         return list(prompt)
 
+    def speculate(self, tokens: int) -> None:
+        """Count the drafts of a completion of ``tokens`` tokens: each verification step after the first token
+        yields 1 + spec_accepted_per_draft of them, from a draft of SPEC_TOKENS."""
+        accepted = self.knobs.spec_accepted_per_draft
+        if accepted is None or self.knobs.spec_idle or tokens < 2:
+            return
+        drafts = (tokens - 1) / (1 + accepted)
+        with self.counting:
+            self.spec["drafts"] += drafts
+            self.spec["draft_tokens"] += SPEC_TOKENS * drafts
+            self.spec["accepted_tokens"] += accepted * drafts
+
+    def metrics(self) -> str:
+        knobs = self.knobs
+        lines = [f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{knobs.kv_blocks}"}} 1.0']
+        with self.counting:
+            self.metrics_reads += 1
+            if knobs.spec_restart_every and self.metrics_reads % knobs.spec_restart_every == 0:
+                self.spec = dict.fromkeys(self.spec, 0.0)
+                self.spec_created += 100.0
+            if knobs.spec_accepted_per_draft is not None:
+                for name, value in self.spec.items():
+                    metric = f"vllm:spec_decode_num_{name}"
+                    lines += [f"# TYPE {metric}_total counter",
+                              f'{metric}_total{{engine="0",model_name="{knobs.model}"}} {value!r}',
+                              f'{metric}_created{{engine="0",model_name="{knobs.model}"}} {self.spec_created!r}']
+        return "\n".join(lines) + "\n"
+
     def completion(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         if body.get("model") != self.knobs.model:
             return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}}
@@ -146,6 +184,7 @@ class FakeEndpoint:
             self._decode(choice, int(body.get("max_tokens", 16)), count, bool(body.get("return_tokens_as_token_ids")))
         if body.get("return_token_ids"):
             choice["token_ids"] = [0] * int(body.get("max_tokens", 16))  # what _decode writes: id 0, greedily
+        self.speculate(int(body.get("max_tokens", 16)))
         return 200, {"id": "cmpl-fake", "object": "text_completion", "model": self.knobs.model, "choices": [choice]}
 
     def _thought(self, ids: list[int], max_tokens: int) -> dict[str, Any]:
@@ -240,8 +279,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/version":
             self._answer(200, {"version": "0.0.0-fake"})
         elif self.path == "/metrics":
-            data = (f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{self.endpoint.knobs.kv_blocks}"}} '
-                    "1.0\n").encode()
+            data = self.endpoint.metrics().encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")
             self.send_header("Content-Length", str(len(data)))
@@ -292,6 +330,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         time.sleep(knobs.first_token_s)
+        if not fault:
+            self.endpoint.speculate(tokens)
         for i in range(1 if fault else tokens):
             time.sleep(knobs.stream_token_s)
             finish = "length" if i == tokens - 1 else None

@@ -15,7 +15,7 @@ from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.logprobs import LogprobComparison
 from pytest_fp8gate.record import ModelResult
 from pytest_fp8gate.report_hooks import summary_lines
-from pytest_fp8gate.spec import DecodeLimits, LoadSpec, ProbabilityLimits, SpeedSpec, TaskLimits
+from pytest_fp8gate.spec import DecodeLimits, LoadSpec, ProbabilityLimits, SpeculativeSpec, SpeedSpec, TaskLimits
 from pytest_fp8gate.verdict import Case
 
 
@@ -28,8 +28,7 @@ def test_the_suite_has_one_test_per_rule() -> None:
 def test_each_row_names_what_judges_it_and_its_limit() -> None:
     comparison_fields = {f.name for f in dataclasses.fields(LogprobComparison)}
     tables = {"probability": ProbabilityLimits, "bucket": ProbabilityLimits, "task": TaskLimits, "speed": SpeedSpec,
-              "decode": DecodeLimits,
-              "load": LoadSpec}
+              "decode": DecodeLimits, "load": LoadSpec, "speculative": SpeculativeSpec}
     for rule in rules.RULES:
         assert rule.limit_key in {f.name for f in dataclasses.fields(tables[rule.kind])}, rule
         if rule.kind in ("probability", "bucket") or rule.bound is not None:
@@ -78,9 +77,9 @@ def _gate_file(tmp_path: Path) -> Path:
     return path
 
 
-# The load rule needs served models, which this recorded gate is not: tests/test_load.py collects and judges it
-# (its JSON "rule" and summary line included) over fake endpoints.
-IN_PROCESS_RULES = [rule for rule in rules.RULES if rule.kind != "load"]
+# The load and acceptance rules need served models, which this recorded gate is not: tests/test_load.py and
+# tests/test_spec_decode.py collect and judge them (JSON "rule" and summary line included) over fake endpoints.
+IN_PROCESS_RULES = [rule for rule in rules.RULES if rule.kind not in ("load", "speculative")]
 
 
 def test_every_rule_is_collected_under_its_test(pytester: pytest.Pytester, tmp_path: Path) -> None:

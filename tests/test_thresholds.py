@@ -201,7 +201,7 @@ BAD_INPUTS = {
     "unknown section": (
         MINIMAL + "[extra]\n",
         "extra: unknown key; expected one of: baseline, candidates, decode, deterministic_scheduling, device, load, "
-        "noise, probabilities, speed, tasks",
+        "noise, probabilities, speculative, speed, tasks",
     ),
     "misspelled array of tables": (
         MINIMAL + '[[candidate]]\nname = "x"\n',
