@@ -65,9 +65,13 @@ class Latency:
     input_len: int
     output_len: int
     batch_size: int
-    iters: int
+    iters: int  # timed iterations run
     median_total_s: float
     median_prefill_s: float
+    # (addition) The standard error of the mean decode tok/s over the iterations, as a share of the mean
+    # (None under two iterations), and the share the iterations ran to reach (None: a fixed count).
+    decode_rel_se: float | None = None
+    target_rel_se: float | None = None
 
     @property
     def decode_tok_s(self) -> float:
@@ -83,7 +87,37 @@ class Latency:
             "median_total_s": self.median_total_s,
             "median_prefill_s": self.median_prefill_s,
             "decode_tok_s": self.decode_tok_s,
+            "decode_rel_se": self.decode_rel_se,
+            "target_rel_se": self.target_rel_se,
         }
+
+
+def timed_latency(run: Callable[[], tuple[float, float]], input_len: int, output_len: int, batch_size: int,
+                  warmup_iters: int, iters: int, min_iters: int | None = None, target_rel_se: float = 0.0) -> Latency:
+    """``run`` (one iteration: its total and prefill seconds) ``warmup_iters`` times untimed, then timed until
+    the mean decode tok/s is known within ``target_rel_se`` (its standard error over the mean, after at least
+    ``min_iters``), or ``iters`` times; 0: exactly ``iters`` times. The medians make the Latency, as before."""
+    for _ in range(warmup_iters):
+        run()
+    totals: list[float] = []
+    prefills: list[float] = []
+    least = iters if not target_rel_se else min(iters, min_iters or iters)
+    while len(totals) < iters:
+        total, prefill = run()
+        totals.append(total)
+        prefills.append(prefill)
+        if len(totals) >= least and target_rel_se and (_decode_rel_se(output_len, totals, prefills) or 1.0
+                                                       ) <= target_rel_se:
+            break
+    return Latency(input_len, output_len, batch_size, len(totals), stats.median(totals), stats.median(prefills),
+                   _decode_rel_se(output_len, totals, prefills), target_rel_se or None)
+
+
+def _decode_rel_se(output_len: int, totals: Sequence[float], prefills: Sequence[float]) -> float | None:
+    if len(totals) < 2:
+        return None
+    speeds = [(output_len - 1) / max(t - p, 1e-12) for t, p in zip(totals, prefills)]
+    return stats.stdev(speeds) / len(speeds) ** 0.5 / stats.fmean(speeds)
 
 
 @dataclass(frozen=True)
@@ -298,11 +332,11 @@ class Engine:
 
     # ---- speed -------------------------------------------------------------
 
-    def latency(self, input_len: int, output_len: int, batch_size: int, warmup_iters: int, iters: int) -> Latency:
-        """Like ``vllm bench latency``: random prompt ids, ignore_eos, median of timed iterations.
-
-        Prefill is timed separately with one output token, so decode speed
-        excludes it.
+    def latency(self, input_len: int, output_len: int, batch_size: int, warmup_iters: int, iters: int,
+                min_iters: int | None = None, target_rel_se: float = 0.0) -> Latency:
+        """Like ``vllm bench latency``: random prompt ids, ignore_eos, median of timed iterations, as many as
+        ``timed_latency`` needs. Each iteration times the prefill separately with one output token, so decode
+        speed excludes it.
         """
         from vllm import SamplingParams
 
@@ -318,11 +352,8 @@ class Engine:
             self.llm.generate(prompts, params, use_tqdm=False)
             return time.perf_counter() - started
 
-        for _ in range(warmup_iters):
-            timed(full)
-        totals = [timed(full) for _ in range(iters)]
-        prefills = [timed(prefill) for _ in range(iters)]
-        return Latency(input_len, output_len, batch_size, iters, stats.median(totals), stats.median(prefills))
+        return timed_latency(lambda: (timed(full), timed(prefill)), input_len, output_len, batch_size,
+                             warmup_iters, iters, min_iters, target_rel_se)
 
     def load_levels(self, spec: LoadSpec, seed: int = 0) -> list[LoadLevel]:
         """Speed under load at each of ``spec``'s concurrencies: only a served model has it (the loader

@@ -379,7 +379,8 @@ class Measurements:
         if needs.speed and self.config.speed is not None:
             s = self.config.speed
             with self.time.span(spec.name, "speed"):
-                result.latency = engine.latency(s.input_len, s.output_len, s.batch_size, s.warmup_iters, s.iters)
+                result.latency = engine.latency(s.input_len, s.output_len, s.batch_size, s.warmup_iters, s.iters,
+                                                min_iters=s.min_iters, target_rel_se=s.target_rel_se)
             self._look_up_speed_inputs(result)
         self._write_engine_facts(spec.name, result, engine)
         return result

@@ -209,7 +209,8 @@ def test_speed_limits_are_not_part_of_the_key(gate: Path, tmp_path: Path):
     gate.write_text(gate.read_text().replace("min_fraction_of_ceiling = 0.8", "min_fraction_of_ceiling = 0.5"))
     again = make_measurements(gate, tmp_path / "a")
     assert baseline_key(again.config, Needs(speed=True), settings, model) == key
-    assert key["speed"] == {"input_len": 1000, "output_len": 256, "batch_size": 1, "warmup_iters": 3, "iters": 10}
+    assert key["speed"] == {"input_len": 1000, "output_len": 256, "batch_size": 1, "warmup_iters": 3, "iters": 10,
+                            "min_iters": 3, "target_rel_se": 0.01}
 
 
 def test_a_checkout_at_another_path_reuses_the_entry(gate: Path, tmp_path: Path, lines: list[str]):
