@@ -82,7 +82,7 @@ def _chunks(tokenizer: Any, corpus: Path, count: int, tokens: int) -> list[list[
 
 def _differ(a: LogprobRun, b: LogprobRun) -> tuple[float, float]:
     """Share of positions whose top id differs, max |log-prob difference| of the real tokens."""
-    return float(np.mean(a.top_ids[:, 0] != b.top_ids[:, 0])), float(np.nanmax(np.abs(a.logprobs - b.logprobs)))
+    return float(np.mean(a.top_ids[:, 0] != b.top_ids[:, 0])), float(np.nanmax(np.abs(a.real_logprob - b.real_logprob)))
 
 
 def main() -> int:
@@ -125,6 +125,7 @@ def main() -> int:
     served = served_engine.ServedEngine(spec, max_logprobs=args.top_k)
     print(f"server start: {time.perf_counter() - started:.1f} s", flush=True)
     rows = []
+    before: LogprobRun | None = None
     try:
         served.prompt_logprobs(chunks[:1], args.top_k, False)  # warm-up
         for in_flight in args.in_flight:
@@ -140,10 +141,20 @@ def main() -> int:
                 if max_diff > args.tolerance:
                     print(f"FAIL: {label} at {in_flight} in flight: max |log-prob - in-process| {max_diff:.4f}")
                     return 1
+                if label == "before":
+                    before = run
+                elif before is None or not (np.array_equal(before.top_ids, run.top_ids)
+                          and np.allclose(before.top_logprobs, run.top_logprobs, rtol=0, atol=1e-6)
+                          and np.allclose(before.real_logprob, run.real_logprob, rtol=0, atol=1e-6)):
+                    print(f"FAIL: at {in_flight} in flight the after pass's arrays differ from the before pass's")
+                    return 1
                 rows.append((label, in_flight, clock.max_in_flight, wall, clock, top_differs, max_diff))
                 print(f"{label:6} in flight {in_flight:3}: {wall:.2f} s", flush=True)
     finally:
+        stopping = time.perf_counter()
         served.shutdown()
+        print(f"server stop (SIGTERM until the process group is gone): {time.perf_counter() - stopping:.1f} s",
+              flush=True)
 
     print(f"\nlog-prob pass, {args.chunks} chunks x {args.chunk_tokens} tokens, top {args.top_k}; in-process "
           f"{in_process_s:.2f} s. Served steps are summed over requests (in seconds; they overlap in flight).")

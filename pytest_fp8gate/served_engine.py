@@ -68,11 +68,16 @@ class ServedEngine(Engine):
         self.served = served
         self.server: ManagedServer | None = None
         self.kwargs = _described(spec, dtype)  # for the provenance record: no key, no env values
-        self.tokenizer = _local_tokenizer(spec)
         if served.managed:
             # The model's env is in os.environ now (measure.applied_env): the server inherits it.
             self.server = ManagedServer(spec.name, _with_dtype(served.command, dtype), max_logprobs)
-            self.server.wait_healthy(served.health_timeout_s)
+        try:
+            self.tokenizer = _local_tokenizer(spec)  # while the server imports vLLM and loads the weights
+        except BaseException:
+            self._stop_server()
+            raise
+        if self.server is not None:
+            self.server.wait_healthy(served.health_timeout_s)  # stops the server when it never gets healthy
             self.startup_lines = tuple(self.server.log_text().splitlines())  # an endpoint's start is not seen
             url = self.server.url
         else:
@@ -314,6 +319,8 @@ def _rows_to_arrays(where: str, rows: list[Any], ids: Sequence[int], first: int,
     if count and np.bincount(rows_sorted, minlength=count).min() < top_k:
         raise EndpointError(f"{where}: fewer than top_k {top_k} ranked log-probs at a position")
     kept = order[place < top_k]
+    if (ranks[kept] > (place[place < top_k] + 1)).any():  # a slot filled from below the top: too few given
+        raise EndpointError(f"{where}: fewer than top_k {top_k} ranked log-probs at a position")
     top_ids = tokens[kept].reshape(count, top_k)
     top_lp = logprobs[kept].reshape(count, top_k)
     full = None
