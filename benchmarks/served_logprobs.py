@@ -16,9 +16,10 @@ The client's share alone, for the 8B shape (no engine; seconds):
 
     python benchmarks/served_logprobs.py --synthetic 128256 --chunk-tokens 2048 --top-k 20
 
-On a GPU (the CUDA build of vLLM; the 8B shape of issue 33: 100 chunks of 2,048 tokens at top 20):
+On a GPU (the CUDA build of vLLM; issue 33's shape: Llama-3.1-8B, 100 chunks of 2,048 tokens at top 20;
+``--shape llama-3.1-8b`` writes it with random weights where no checkpoint can be fetched, as on the lent H200):
 
-    python benchmarks/served_logprobs.py --cuda --model meta-llama/Llama-3.1-8B-Instruct \\
+    python benchmarks/served_logprobs.py --cuda --shape llama-3.1-8b \\
         --chunks 100 --chunk-tokens 2048 --top-k 20 --in-flight 32 100 [--api-servers 4]
 """
 
@@ -136,6 +137,9 @@ def main() -> int:
     parser.add_argument("--in-flight", type=int, nargs="+", default=[1, 4, 32],
                         help="requests in flight at once (served_engine.MAX_IN_FLIGHT) for each served pass")
     parser.add_argument("--cuda", action="store_true", help="the CUDA build on a GPU: no CPU engine settings")
+    parser.add_argument("--shape", default=None, help="instead of --model: this shape (pytest_fp8gate.shapes) with "
+                        "random BF16 weights, written once under --workdir (e.g. llama-3.1-8b)")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/served-logprobs"))
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--api-servers", type=int, default=1,
                         help="vllm serve --api-server-count: front-end processes (detokenizing, building the JSON)")
@@ -147,12 +151,22 @@ def main() -> int:
     if args.synthetic:
         return _synthetic(args.chunk_tokens, args.top_k, args.synthetic)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.shape:
+        from pytest_fp8gate.shapes import write_random_checkpoint
+
+        checkpoint = args.workdir / args.shape
+        if not checkpoint.is_dir():
+            write_random_checkpoint(args.shape, checkpoint, device="cuda" if args.cuda else "cpu")
+        args.model = str(checkpoint)
     max_len = args.max_model_len or max(2048, args.chunk_tokens + 16)
     engine = {"dtype": "bfloat16", "max_model_len": max_len}
     serve = ["serve", args.model, "--dtype", "bfloat16", "--max-model-len", str(max_len)]
     if args.api_servers > 1:
         serve += ["--api-server-count", str(args.api_servers)]
-    if not args.cuda:
+    if args.cuda:  # half the GPU each: what the in-process engine leaves behind must not stop the server
+        engine["gpu_memory_utilization"] = 0.45
+        serve += ["--gpu-memory-utilization", "0.45"]
+    else:
         engine["kv_cache_memory_bytes"] = 1 << 30
         serve += ["--kv-cache-memory-bytes", str(1 << 30)]
     device = "cuda" if args.cuda else "cpu (shared machine: other jobs ran beside this one)"
