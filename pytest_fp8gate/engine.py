@@ -68,8 +68,9 @@ class Latency:
     iters: int  # timed iterations run
     median_total_s: float
     median_prefill_s: float
-    # (addition) The standard error of the mean decode tok/s over the iterations, as a share of the mean
-    # (None under two iterations), and the share the iterations ran to reach (None: a fixed count).
+    # (addition) The standard error of the mean decode time over the iterations, as a share of that mean
+    # (decode tok/s's relative SE to first order; None when it cannot be told), and the share the
+    # iterations ran to reach (None: a fixed count).
     decode_rel_se: float | None = None
     target_rel_se: float | None = None
 
@@ -95,8 +96,9 @@ class Latency:
 def timed_latency(run: Callable[[], tuple[float, float]], input_len: int, output_len: int, batch_size: int,
                   warmup_iters: int, iters: int, min_iters: int | None = None, target_rel_se: float = 0.0) -> Latency:
     """``run`` (one iteration: its total and prefill seconds) ``warmup_iters`` times untimed, then timed until
-    the mean decode tok/s is known within ``target_rel_se`` (its standard error over the mean, after at least
-    ``min_iters``), or ``iters`` times; 0: exactly ``iters`` times. The medians make the Latency, as before."""
+    the mean decode time is known within ``target_rel_se`` (its standard error over the mean, after at least
+    ``min_iters``; so is decode tok/s, to first order), or ``iters`` times; 0: exactly ``iters`` times.
+    The medians make the Latency, as before."""
     for _ in range(warmup_iters):
         run()
     totals: list[float] = []
@@ -106,18 +108,21 @@ def timed_latency(run: Callable[[], tuple[float, float]], input_len: int, output
         total, prefill = run()
         totals.append(total)
         prefills.append(prefill)
-        if len(totals) >= least and target_rel_se and (_decode_rel_se(output_len, totals, prefills) or 1.0
-                                                       ) <= target_rel_se:
+        precision = _decode_rel_se(totals, prefills)
+        if len(totals) >= least and target_rel_se and precision is not None and precision <= target_rel_se:
             break
     return Latency(input_len, output_len, batch_size, len(totals), stats.median(totals), stats.median(prefills),
-                   _decode_rel_se(output_len, totals, prefills), target_rel_se or None)
+                   _decode_rel_se(totals, prefills), target_rel_se or None)
 
 
-def _decode_rel_se(output_len: int, totals: Sequence[float], prefills: Sequence[float]) -> float | None:
-    if len(totals) < 2:
+def _decode_rel_se(totals: Sequence[float], prefills: Sequence[float]) -> float | None:
+    """The SE of the mean decode time (total less prefill) over that mean: decode tok/s's relative SE to
+    first order. Not per-iteration tok/s, which a noisy prefill as long as its total sends to infinity.
+    None under two iterations or a mean decode time of 0 or less (nothing to tell yet)."""
+    decode = [t - p for t, p in zip(totals, prefills)]
+    if len(decode) < 2 or stats.fmean(decode) <= 0:
         return None
-    speeds = [(output_len - 1) / max(t - p, 1e-12) for t, p in zip(totals, prefills)]
-    return stats.stdev(speeds) / len(speeds) ** 0.5 / stats.fmean(speeds)
+    return stats.stdev(decode) / len(decode) ** 0.5 / stats.fmean(decode)
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,7 @@ class SpeedSpec:
     batch_size: int = 1
     warmup_iters: int = 3
     iters: int = 10  # the most timed iterations; all of them when target_rel_se is 0
-    # (addition) Timed iterations stop once the standard error of the mean decode tok/s is within this share
+    # (addition) Timed iterations stop once the standard error of the mean decode time is within this share
     # of the mean, after at least min_iters of them (docs/thresholds.md, "speed": why 1%).
     min_iters: int = 3
     target_rel_se: float = 0.01

@@ -188,3 +188,10 @@ def test_the_least_count_above_the_most_is_a_config_error(tmp_path: Path):
     path.write_text(demo_config_text({}).replace("[speed]\n", "[speed]\niters = 4\nwarmup_iters = 1\n"))  # as before
     speed = load_config(path).speed
     assert speed is not None and (speed.iters, speed.min_iters, speed.target_rel_se) == (4, 3, 0.01)
+
+
+def test_a_prefill_as_long_as_its_total_tells_nothing_yet_and_timing_goes_on():
+    # Noise on a shared CPU: an iteration whose prefill took as long as the whole run.
+    calls = iter([(0.6, 0.1)] * 3 + [(0.5, 0.5), (0.5, 0.52), (2.1, 0.1), (2.1, 0.1), (2.1, 0.1)] + [(2.1, 0.1)] * 5)
+    latency = timed_latency(lambda: next(calls), 1000, 256, 1, 3, 10, 3, 0.01)
+    assert latency.iters > 3 and latency.decode_rel_se is not None and latency.decode_rel_se < 1
