@@ -47,6 +47,10 @@ LOCK_WAIT_S = 2 * 3600.0
 LOCK_POLL_S = 0.5
 
 
+# What of [speed] is measured, not the limit or the bandwidth it is judged against.
+SPEED_KEY = ("input_len", "output_len", "batch_size", "warmup_iters", "iters", "min_iters", "target_rel_se")
+
+
 def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, Any],
                  model: dict[str, Any]) -> dict[str, Any]:
     """Everything that changes the baseline's numbers, as one JSON document."""
@@ -74,9 +78,7 @@ def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, An
         },
         "tasks": [_without(provenance.task_fingerprint(t), "include_path") for t in config.tasks
                   if t.name in needs.tasks],
-        # What is measured, not the limit or the bandwidth it is judged against.
-        "speed": {name: getattr(speed, name) for name in ("input_len", "output_len", "batch_size", "warmup_iters",
-                                                          "iters")} if speed is not None and needs.speed else None,
+        "speed": {name: getattr(speed, name) for name in SPEED_KEY} if speed is not None and needs.speed else None,
         # Like env: only when measured, so that entries without load keep their keys.
         **({"load": _load_key(config.load)} if config.load is not None and needs.load else {}),
     }

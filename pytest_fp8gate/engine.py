@@ -66,9 +66,14 @@ class Latency:
     input_len: int
     output_len: int
     batch_size: int
-    iters: int
+    iters: int  # timed iterations run
     median_total_s: float
     median_prefill_s: float
+    # (addition) The standard error of the mean decode time over the iterations, as a share of that mean
+    # (decode tok/s's relative SE to first order; None when it cannot be told), and the share the
+    # iterations ran to reach (None: a fixed count).
+    decode_rel_se: float | None = None
+    target_rel_se: float | None = None
 
     @property
     def decode_tok_s(self) -> float:
@@ -84,7 +89,41 @@ class Latency:
             "median_total_s": self.median_total_s,
             "median_prefill_s": self.median_prefill_s,
             "decode_tok_s": self.decode_tok_s,
+            "decode_rel_se": self.decode_rel_se,
+            "target_rel_se": self.target_rel_se,
         }
+
+
+def timed_latency(run: Callable[[], tuple[float, float]], input_len: int, output_len: int, batch_size: int,
+                  warmup_iters: int, iters: int, min_iters: int | None = None, target_rel_se: float = 0.0) -> Latency:
+    """``run`` (one iteration: its total and prefill seconds) ``warmup_iters`` times untimed, then timed until
+    the mean decode time is known within ``target_rel_se`` (its standard error over the mean, after at least
+    ``min_iters``; so is decode tok/s, to first order), or ``iters`` times; 0: exactly ``iters`` times.
+    The medians make the Latency, as before."""
+    for _ in range(warmup_iters):
+        run()
+    totals: list[float] = []
+    prefills: list[float] = []
+    least = iters if not target_rel_se else min(iters, min_iters or iters)
+    while len(totals) < iters:
+        total, prefill = run()
+        totals.append(total)
+        prefills.append(prefill)
+        precision = _decode_rel_se(totals, prefills)
+        if len(totals) >= least and target_rel_se and precision is not None and precision <= target_rel_se:
+            break
+    return Latency(input_len, output_len, batch_size, len(totals), stats.median(totals), stats.median(prefills),
+                   _decode_rel_se(totals, prefills), target_rel_se or None)
+
+
+def _decode_rel_se(totals: Sequence[float], prefills: Sequence[float]) -> float | None:
+    """The SE of the mean decode time (total less prefill) over that mean: decode tok/s's relative SE to
+    first order. Not per-iteration tok/s, which a noisy prefill as long as its total sends to infinity.
+    None under two iterations or a mean decode time of 0 or less (nothing to tell yet)."""
+    decode = [t - p for t, p in zip(totals, prefills)]
+    if len(decode) < 2 or stats.fmean(decode) <= 0:
+        return None
+    return stats.stdev(decode) / len(decode) ** 0.5 / stats.fmean(decode)
 
 
 @dataclass(frozen=True)
@@ -299,11 +338,11 @@ class Engine:
 
     # ---- speed -------------------------------------------------------------
 
-    def latency(self, input_len: int, output_len: int, batch_size: int, warmup_iters: int, iters: int) -> Latency:
-        """Like ``vllm bench latency``: random prompt ids, ignore_eos, median of timed iterations.
-
-        Prefill is timed separately with one output token, so decode speed
-        excludes it.
+    def latency(self, input_len: int, output_len: int, batch_size: int, warmup_iters: int, iters: int,
+                min_iters: int | None = None, target_rel_se: float = 0.0) -> Latency:
+        """Like ``vllm bench latency``: random prompt ids, ignore_eos, median of timed iterations, as many as
+        ``timed_latency`` needs. Each iteration times the prefill separately with one output token, so decode
+        speed excludes it.
         """
         from vllm import SamplingParams
 
@@ -319,11 +358,8 @@ class Engine:
             self.llm.generate(prompts, params, use_tqdm=False)
             return time.perf_counter() - started
 
-        for _ in range(warmup_iters):
-            timed(full)
-        totals = [timed(full) for _ in range(iters)]
-        prefills = [timed(prefill) for _ in range(iters)]
-        return Latency(input_len, output_len, batch_size, iters, stats.median(totals), stats.median(prefills))
+        return timed_latency(lambda: (timed(full), timed(prefill)), input_len, output_len, batch_size,
+                             warmup_iters, iters, min_iters, target_rel_se)
 
     def load_levels(self, spec: LoadSpec, seed: int = 0) -> list[LoadLevel]:
         """Speed under load at each of ``spec``'s concurrencies: only a served model has it (the loader

@@ -27,6 +27,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import EndpointError, EndpointStatus, EndpointTimeout
@@ -36,6 +37,13 @@ REQUEST_DEADLINE_S = 600.0
 SHORT_REQUEST_S = 30.0  # a GET of /v1/models, /version, /metrics or /health, capped by the deadline
 SOCKET_SLACK_S = 1.0
 BLANKED = "[key blanked]"
+try:  # vLLM depends on msgspec; its decoder reads a log-prob answer several times faster than json's
+    import msgspec
+
+    _fast_decode: Any = msgspec.json.decode
+    _FAST_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError,)
+except ImportError:  # an endpoint-only install without vLLM
+    _fast_decode, _FAST_ERRORS = json.loads, ()
 _secrets: set[str] = set()  # the keys of this process's endpoints, as given and as JSON escapes them
 _secrets_lock = threading.Lock()
 
@@ -170,6 +178,37 @@ class _WatchedHTTPS(urllib.request.HTTPSHandler):
                             context=self._context)  # type: ignore[attr-defined]
 
 
+@dataclass
+class RequestClock:
+    """Where the time of a client's POSTs goes, summed over requests (they overlap when several are in
+    flight): sent until the answer's headers (the server computing and building its JSON: vLLM sends a
+    non-streamed answer whole), headers until the last byte (transfer), and the client's JSON parse;
+    ``add`` takes the caller's own steps (the log-prob pass's conversion to arrays)."""
+
+    requests: int = 0
+    bytes: int = 0
+    max_in_flight: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    _in_flight: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, step: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[step] = self.seconds.get(step, 0.0) + seconds
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        with self._lock:
+            self.requests += 1
+            self._in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self._in_flight)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+
 class EndpointClient:
     """Requests to ``base_url`` (e.g. http://127.0.0.1:8000), authorised with the key in ``api_key_env``,
     each answered in full within ``deadline_s`` or given up."""
@@ -188,6 +227,7 @@ class EndpointClient:
             self._headers["Authorization"] = f"Bearer {key}"
         self._lock = threading.Lock()
         self._in_flight: set[_Watch] = set()
+        self.clock: RequestClock | None = None  # set to split the POSTs' time (benchmarks/served_logprobs.py)
 
     def abort(self) -> None:
         """End every request in flight now (each raises EndpointTimeout): one failed, the rest are moot."""
@@ -247,8 +287,23 @@ class EndpointClient:
             return blank_secrets(response.read().decode("utf-8", errors="replace"))
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
-        with self._answer("POST", path, body, self.deadline_s) as response:
-            return _json(response.read(), self.shown + path)
+        clock = self.clock
+        if clock is None:
+            with self._answer("POST", path, body, self.deadline_s) as response:
+                return _json(response.read(), self.shown + path)
+        with clock.request():
+            sent = time.perf_counter()
+            with self._answer("POST", path, body, self.deadline_s) as response:
+                headers = time.perf_counter()
+                raw = response.read()
+            read = time.perf_counter()
+            value = _json(raw, self.shown + path)
+            clock.add("server (to first byte)", headers - sent)
+            clock.add("transfer", read - headers)
+            clock.add("client JSON parse", time.perf_counter() - read)
+            with clock._lock:
+                clock.bytes += len(raw)
+            return value
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[tuple[float, Any]]:
         """(perf_counter time, event) for each server-sent event of a streamed response, the whole stream
@@ -286,12 +341,19 @@ def _stream_error(event: Any) -> str | None:
 
 def _json(raw: bytes, where: str) -> Any:
     try:
-        value = json.loads(raw)
+        value = _decode(raw)
     except ValueError:
         raise EndpointError(blank_secrets(f"{where}: the answer is not JSON: {raw[:200]!r}")) from None
     with _secrets_lock:
         present = any(secret.encode() in raw for secret in _secrets)
     return _blanked(value) if present else value
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return _fast_decode(raw)
+    except _FAST_ERRORS:  # what json reads and msgspec does not (NaN, Infinity), or not JSON at all
+        return json.loads(raw)
 
 
 def _detail(err: urllib.error.HTTPError) -> str:

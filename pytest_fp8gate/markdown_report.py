@@ -139,7 +139,10 @@ class _Candidate:
             text = "Speed: not measured (no decode-speed rule ran for this candidate)."
         else:
             text = (f"Speed: decode {latency.decode_tok_s:.1f} tok/s at batch {latency.batch_size}, "
-                    f"{latency.input_len} tokens in, {latency.output_len} out, median of {latency.iters}")
+                    f"{latency.input_len} tokens in, {latency.output_len} out, median of {latency.iters}"
+                    + (f" (SE of the mean {latency.decode_rel_se:.2%}" if latency.decode_rel_se is not None else "")
+                    + (f", target {latency.target_rel_se:.2%})" if latency.target_rel_se is not None
+                       else ")" if latency.decode_rel_se is not None else ""))
             if base is not None and base.latency is not None:
                 text += f" (baseline {base.latency.decode_tok_s:.1f} tok/s, " \
                         f"{latency.decode_tok_s / base.latency.decode_tok_s:.2f}x)"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 import traceback
 import uuid
@@ -30,6 +31,7 @@ from .dumps import RUN_ID, write_logprob_dump
 from .engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine, applied_env
 from .errors import ComparisonError, Fp8GateError, IdScoringUnavailable, MeasurementError
 from .logprobs import LogprobRun, check_vocabulary
+from .options import COMPILE_CACHE_ENV
 from .record import NOISE_STRIDE, BaselineRecord, DecodeResult, ModelResult, Needs, PassResult
 from .spec import BATCH_ORDER_PASS, PRECISION_PASSES, GateConfig, ModelSpec, TaskSpec
 
@@ -69,8 +71,10 @@ class Measurements:
         announce: Callable[[str], None],
         baseline_cache: BaselineCache | None = None,
         engine_class: type[Engine] = Engine,
+        compile_cache: Path | None = None,
     ) -> None:
-        """``engine_class``: what starts an engine for a model (a stand-in in the tests)."""
+        """``engine_class``: what starts an engine for a model (a stand-in in the tests); ``compile_cache``:
+        vLLM's cache root for every engine and managed server (None: vLLM's own default)."""
         # Process-wide, so set once here, before any engine of the session starts.
         engine_class.prepare_process(config.deterministic_scheduling)
         self.engine_class = engine_class
@@ -79,6 +83,8 @@ class Measurements:
         self.needs = {name: _with_generating_passes(need, config) for name, need in needs.items()}
         self.announce = announce
         self.baseline_cache = baseline_cache
+        # Under each model's env, which may name its own; a location, so no cache key holds it.
+        self.cache_env = {} if compile_cache is None else {COMPILE_CACHE_ENV: str(compile_cache)}
         self.baseline_record: BaselineRecord | None = None
         self.engine_runs: list[dict[str, Any]] = []  # start time, duration and settings of each engine
         self.time = timing.TimeLedger()  # where this session's wall time goes (issue 33)
@@ -149,7 +155,7 @@ class Measurements:
     @contextlib.contextmanager
     def _running(self, spec: ModelSpec, label: str, dtype: str | None = None) -> Iterator[Engine]:
         """A started engine for ``spec`` with its ``env`` applied, shut down on leaving."""
-        with applied_env(spec.env), self._running_engine(spec, label, dtype) as engine:
+        with applied_env({**self.cache_env, **spec.env}), self._running_engine(spec, label, dtype) as engine:
             yield engine
 
     @contextlib.contextmanager
@@ -187,7 +193,7 @@ class Measurements:
             self.engine_runs.append({"label": label, "name": spec.name, "started_at": started_at,
                                      "duration_s": round(time.perf_counter() - started, 3),
                                      "startup_s": round(engine.start_s, 3), "kwargs": engine.kwargs,
-                                     "env": dict(spec.env),
+                                     "env": dict(spec.env), "compile_cache": os.environ.get(COMPILE_CACHE_ENV),
                                      "vllm": facts, "capabilities": engine.capabilities.as_dict(),
                                      "gpu_free_mib": memory})
             # Free MiB per visible GPU before start, while running, after shutdown (None: no GPU).
@@ -383,7 +389,8 @@ class Measurements:
         if needs.speed and self.config.speed is not None:
             s = self.config.speed
             with self.time.span(spec.name, "speed"):
-                result.latency = engine.latency(s.input_len, s.output_len, s.batch_size, s.warmup_iters, s.iters)
+                result.latency = engine.latency(s.input_len, s.output_len, s.batch_size, s.warmup_iters, s.iters,
+                                                min_iters=s.min_iters, target_rel_se=s.target_rel_se)
             self._look_up_speed_inputs(result)
         self._write_engine_facts(spec.name, result, engine)
         return result

@@ -18,6 +18,10 @@ _FALSE = frozenset({"0", "false", "no", "off", ""})
 SOURCE_OPTION = "--fp8gate-config"
 SOURCE_INI = "the fp8gate_config ini key"
 SOURCE_ROOTDIR = f"{DEFAULT_CONFIG_NAME} found in rootdir"
+# vLLM's cache root (vllm/envs.py): its torch.compile cache, Inductor's and Triton's caches live under it,
+# keyed by vLLM's hash of the settings, code and compiler, not by this path (VLLM_CACHE_ROOT is left out).
+COMPILE_CACHE_ENV = "VLLM_CACHE_ROOT"
+COMPILE_CACHE_DIR = "vllm-cache"  # the default's folder inside the baseline cache
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class Settings:
     allow_no_rules: bool = False  # a run may select none of the file's rules
     config_source: str | None = None  # SOURCE_*; None without a file
     request_deadline_s: float | None = None  # every served model's, over the thresholds file's; None: the file's
+    compile_cache: Path | None = None  # absolute; vLLM's cache root for every engine and server; None: vLLM's own
 
     @property
     def config_explicit(self) -> bool:
@@ -50,6 +55,7 @@ def read_settings(config: pytest.Config) -> Settings:
                                 "(or the fp8gate_baseline_cache ini key)")
     if baseline_cache is not None and baseline_cache.exists() and not baseline_cache.is_dir():
         raise pytest.UsageError(f"--fp8gate-baseline-cache {display_path(baseline_cache)}: not a directory")
+    compile_cache = _compile_cache(config, baseline_cache)
     report = _path_option(config, "fp8gate_report")
     if report is not None and report.is_dir():
         raise pytest.UsageError(f"--fp8gate-report {display_path(report)}: is a directory, expected a file path")
@@ -71,7 +77,19 @@ def read_settings(config: pytest.Config) -> Settings:
         or bool(config.getini("fp8gate_allow_no_rules")),
         config_source=source,
         request_deadline_s=_seconds_option(config, "fp8gate_request_deadline", "--fp8gate-request-deadline"),
+        compile_cache=compile_cache,
     )
+
+
+def _compile_cache(config: pytest.Config, baseline_cache: Path | None) -> Path | None:
+    """Where vLLM keeps its compiled graphs: the option or ini key, else a folder in the baseline cache
+    (kept by whoever keeps that), unless the environment already names vLLM's cache root."""
+    given = _path_option(config, "fp8gate_compile_cache")
+    if given is None and baseline_cache is not None and COMPILE_CACHE_ENV not in os.environ:
+        given = baseline_cache / COMPILE_CACHE_DIR
+    if given is not None and given.exists() and not given.is_dir():
+        raise pytest.UsageError(f"--fp8gate-compile-cache {display_path(given)}: not a directory")
+    return given
 
 
 def _seconds_option(config: pytest.Config, name: str, flag: str) -> float | None:

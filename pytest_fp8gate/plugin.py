@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 _GATE_PLUGIN = "fp8gate-gate"  # the hooks registered once the gate is asked for
 _INI_KEYS = ("fp8gate_config", "fp8gate_require_gpu", "fp8gate_artifacts", "fp8gate_baseline_cache", "fp8gate_report",
-             "fp8gate_allow_no_rules")
+             "fp8gate_allow_no_rules", "fp8gate_compile_cache")
 _OPTION_DESTS = (*_INI_KEYS, "fp8gate_update_baseline", "fp8gate_request_deadline")
 
 
@@ -49,6 +49,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--fp8gate-baseline-cache",
         metavar="DIR",
         help="Reuse the baseline's measurements across runs from DIR, keyed by everything that changes them",
+    )
+    group.addoption(
+        "--fp8gate-compile-cache",
+        metavar="DIR",
+        help="vLLM's cache root (VLLM_CACHE_ROOT: its torch.compile cache) for every engine and server the gate "
+        "starts, so a later run skips compiling (default: vllm-cache in the baseline cache, when one is given)",
     )
     group.addoption(
         "--fp8gate-update-baseline",
@@ -77,6 +83,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   "device", type="bool")
     parser.addini("fp8gate_artifacts", "Directory for the gate's run artifacts, relative to the ini file")
     parser.addini("fp8gate_baseline_cache", "Baseline cache directory, relative to the ini file")
+    parser.addini("fp8gate_compile_cache", "vLLM's cache root for the gate's engines, relative to the ini file")
     parser.addini("fp8gate_report", "Markdown report path, relative to the ini file")
     parser.addini("fp8gate_allow_no_rules", "Let a run select none of the thresholds file's rules", type="bool")
 

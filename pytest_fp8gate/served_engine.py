@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import re
-import statistics as stats
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ import numpy as np
 from . import corpus as corpus_mod
 from . import endpoint_probe, load, spec_decode
 from .capabilities import EngineCapabilities
-from .engine import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
+from .engine import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency, timed_latency
 from .errors import EndpointError, IdScoringUnavailable
 from .http_client import EndpointClient, redact_url
 from .logprobs import LogprobRun
@@ -69,11 +68,16 @@ class ServedEngine(Engine):
         self.served = served
         self.server: ManagedServer | None = None
         self.kwargs = _described(spec, dtype)  # for the provenance record: no key, no env values
-        self.tokenizer = _local_tokenizer(spec)
         if served.managed:
             # The model's env is in os.environ now (measure.applied_env): the server inherits it.
             self.server = ManagedServer(spec.name, _with_dtype(served.command, dtype), max_logprobs)
-            self.server.wait_healthy(served.health_timeout_s)
+        try:
+            self.tokenizer = _local_tokenizer(spec)  # while the server imports vLLM and loads the weights
+        except BaseException:
+            self._stop_server()
+            raise
+        if self.server is not None:
+            self.server.wait_healthy(served.health_timeout_s)  # stops the server when it never gets healthy
             self.startup_lines = tuple(self.server.log_text().splitlines())  # an endpoint's start is not seen
             url = self.server.url
         else:
@@ -136,8 +140,11 @@ class ServedEngine(Engine):
     def prompt_logprobs(self, chunks: Sequence[Sequence[int]], top_k: int, full_vocab: bool,
                         layout: BatchLayout = ALL_AT_ONCE) -> LogprobRun:
         rows = self._prompt_rows(chunks, -1 if full_vocab else top_k, layout)
+        converting = time.perf_counter()
         parts = [_rows_to_arrays(self.where, row, chunk, 1, top_k, self.vocab_size if full_vocab else None)
                  for row, chunk in zip(rows, chunks)]
+        if self.client.clock is not None:
+            self.client.clock.add("conversion to arrays", time.perf_counter() - converting)
         return LogprobRun(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                           np.concatenate([p[2] for p in parts]),
                           full_logprobs=np.concatenate([p[3] for p in parts]) if full_vocab else None,
@@ -189,9 +196,11 @@ class ServedEngine(Engine):
 
     # ---- speed -------------------------------------------------------------
 
-    def latency(self, input_len: int, output_len: int, batch_size: int, warmup_iters: int, iters: int) -> Latency:
+    def latency(self, input_len: int, output_len: int, batch_size: int, warmup_iters: int, iters: int,
+                min_iters: int | None = None, target_rel_se: float = 0.0) -> Latency:
         """Streamed requests of random prompt ids (as in-process), ``batch_size`` at once: the median time to
-        the last token is the total, the median time to the first token the prefill."""
+        the last token is the total, the median time to the first token the prefill; as many iterations as
+        engine.timed_latency needs."""
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, min(self.vocab_size, 10000), input_len).tolist() for _ in range(batch_size)]
         body = {"model": self.served.served_model_name, "max_tokens": output_len, "ignore_eos": True,
@@ -203,13 +212,10 @@ class ServedEngine(Engine):
 
         def timed() -> tuple[float, float]:
             times = _in_layout(ALL_AT_ONCE, prompts, one, self.client)
-            return max(t[0] for t in times), max(t[1] for t in times)
+            return max(t[1] for t in times), max(t[0] for t in times)
 
-        for _ in range(warmup_iters):
-            timed()
-        runs = [timed() for _ in range(iters)]
-        return Latency(input_len, output_len, batch_size, iters, stats.median(r[1] for r in runs),
-                       stats.median(r[0] for r in runs))
+        return timed_latency(timed, input_len, output_len, batch_size, warmup_iters, iters, min_iters,
+                             target_rel_se)
 
     def load_levels(self, spec: LoadSpec, seed: int = 0) -> list[LoadLevel]:
         return load.measure_levels(self.client, self.served.served_model_name, spec, self.vocab_size, seed)
@@ -285,24 +291,51 @@ def _rows_to_arrays(where: str, rows: list[Any], ids: Sequence[int], first: int,
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """vLLM's JSON log-probs of one request (``rows[i]`` scores ``ids[i]``, as the prompt log-probs' entries
     do) -> per-position arrays (positions first..len-1), as engine._flat_to_arrays makes them from vLLM's
-    FlatLogprobs. ``vocab_size``: every row must hold the whole vocabulary."""
-    count = len(ids) - first
+    FlatLogprobs. ``vocab_size``: every row must hold the whole vocabulary.
+
+    vLLM's row holds the scored token and the ranked top ones, the scored token once when it is one of
+    them: so it counts among the ranked only in a row no longer than what was asked, as in-process.
+    One pass over the entries into flat arrays, then numpy (a Python sort per position cost seconds)."""
+    picked = rows[first:len(ids)]
+    count = len(picked)
+    if not all(isinstance(row, dict) for row in picked):
+        raise EndpointError(f"{where}: a position came back without its own token's log-prob")
+    lengths = np.fromiter((len(row) for row in picked), np.int64, count)
+    total = int(lengths.sum())
+    entries = [entry for row in picked for entry in row.values()]
+    try:
+        tokens = np.fromiter((int(token) for row in picked for token in row), np.int64, total)
+        ranks = np.fromiter((entry["rank"] for entry in entries), np.int64, total)
+        logprobs = np.fromiter((entry["logprob"] for entry in entries), np.float64, total)
+    except (KeyError, TypeError, ValueError):
+        raise EndpointError(f"{where}: a log-prob entry without a token id, its logprob and rank") from None
+    logprobs[logprobs <= CLAMPED_LOGPROB] = -np.inf
+    row_of = np.repeat(np.arange(count), lengths)
+    own = tokens == np.asarray(ids[first:], dtype=np.int64)[row_of]
+    if not np.array_equal(np.bincount(row_of[own], minlength=count), np.ones(count, dtype=np.int64)):
+        raise EndpointError(f"{where}: a position came back without its own token's log-prob")
     real = np.empty(count)
-    top_ids = np.empty((count, top_k), dtype=np.int64)
-    top_lp = np.empty((count, top_k))
-    full = None if vocab_size is None else np.full((count, vocab_size), -np.inf, dtype=np.float32)
-    for at, position in enumerate(range(first, len(ids))):
-        row = rows[position]
-        real[at] = _logprob(_entry(where, row, ids[position]))
-        ranked = sorted(((int(e["rank"]), int(token), _logprob(e)) for token, e in row.items()),
-                        key=lambda item: item[0])
-        if len(ranked) < (vocab_size or top_k):
-            raise EndpointError(f"{where}: {len(ranked)} log-probs at a position, fewer than the "
-                                + (f"whole vocabulary's {vocab_size}" if vocab_size else f"top_k {top_k}"))
-        top_ids[at] = [t for _, t, _ in ranked[:top_k]]
-        top_lp[at] = [lp for _, _, lp in ranked[:top_k]]
-        if full is not None:
-            full[at, [t for _, t, _ in ranked]] = [lp for _, _, lp in ranked]
+    real[row_of[own]] = logprobs[own]
+    wanted = vocab_size or top_k
+    if count and lengths.min() < wanted:
+        raise EndpointError(f"{where}: {lengths.min()} log-probs at a position, fewer than the "
+                            + (f"whole vocabulary's {vocab_size}" if vocab_size else f"top_k {top_k}"))
+    ranked = ~own | (lengths <= wanted)[row_of]
+    order = np.lexsort((ranks, row_of))  # stable: ties keep the server's order
+    order = order[ranked[order]]
+    rows_sorted = row_of[order]
+    place = np.arange(len(order)) - np.searchsorted(rows_sorted, rows_sorted)
+    if count and np.bincount(rows_sorted, minlength=count).min() < top_k:
+        raise EndpointError(f"{where}: fewer than top_k {top_k} ranked log-probs at a position")
+    kept = order[place < top_k]
+    if (ranks[kept] > (place[place < top_k] + 1)).any():  # a slot filled from below the top: too few given
+        raise EndpointError(f"{where}: fewer than top_k {top_k} ranked log-probs at a position")
+    top_ids = tokens[kept].reshape(count, top_k)
+    top_lp = logprobs[kept].reshape(count, top_k)
+    full = None
+    if vocab_size is not None:
+        full = np.full((count, vocab_size), -np.inf, dtype=np.float32)
+        full[row_of, tokens] = logprobs
     return real, top_ids, top_lp, full
 
 

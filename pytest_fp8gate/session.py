@@ -49,7 +49,7 @@ class GateSession:
         self.artifacts = artifacts
         lifecycle.watch(artifacts)
         self.measurements = Measurements(gate_config, artifacts, config.stash.get(NEEDS_KEY, {}), announce, cache,
-                                         config.stash.get(ENGINE_CLASS_KEY, Engine))
+                                         config.stash.get(ENGINE_CLASS_KEY, Engine), settings.compile_cache)
         self.gate = Gate(gate_config, self.measurements)
         config.stash[SESSION_KEY] = self
 

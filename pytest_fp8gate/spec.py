@@ -177,7 +177,11 @@ class SpeedSpec:
     output_len: int = 256
     batch_size: int = 1
     warmup_iters: int = 3
-    iters: int = 10
+    iters: int = 10  # the most timed iterations; all of them when target_rel_se is 0
+    # (addition) Timed iterations stop once the standard error of the mean decode time is within this share
+    # of the mean, after at least min_iters of them (docs/thresholds.md, "speed": why 1%).
+    min_iters: int = 3
+    target_rel_se: float = 0.01
     # How the speed is judged (docs/thresholds.md, "speed"): against the baseline's share of
     # its own ceiling on the same GPU, or against a fixed share of the ceiling (the article).
     rule: str = SHARE_OF_BASELINE

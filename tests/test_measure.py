@@ -354,3 +354,35 @@ def _gate_parts(directory: Path, limits: str):
     found = measurements(directory, {"good": Needs(tasks=frozenset({"echo"}))},
                          lambda text: text.replace("[tasks.limits]\n", "[tasks.limits]\n" + limits), task=True)
     return found.config, found
+
+
+def test_the_compile_cache_reaches_every_engine_and_a_models_own_env_wins(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    good_table = 'name = "good"\nquantization = "fp8_per_channel"\n'
+    own = tmp_path / "own"
+
+    def edit(text: str) -> str:
+        return text.replace(good_table, good_table + f'[candidates.env]\nVLLM_CACHE_ROOT = "{own.as_posix()}"\n')
+
+    seen: list[tuple[str, str | None]] = []
+    base = fake_engine_class(MODELS)
+
+    class Recording(base):  # type: ignore[valid-type, misc]
+        def __init__(self, spec, **kwargs) -> None:
+            seen.append((spec.name, os.environ.get("VLLM_CACHE_ROOT")))
+            super().__init__(spec, **kwargs)
+
+    config = load_config(write_gate(tmp_path, edit))
+    kept = tmp_path / "kept"
+    found = Measurements(config, tmp_path / "artifacts", {"good": PROBABILITIES, "bad": PROBABILITIES},
+                         lambda line: None, None, Recording, kept)
+    found.candidate("good"), found.candidate("bad")
+    assert seen == [("bf16", str(kept)), ("bf16", str(kept)), ("good", str(own)), ("bad", str(kept))]
+    assert "VLLM_CACHE_ROOT" not in os.environ  # only while an engine runs
+    assert [run["compile_cache"] for run in found.engine_runs] == [str(kept), str(kept), str(own), str(kept)]
+    # Without one, vLLM's own default: nothing is set.
+    seen.clear()
+    Measurements(config, tmp_path / "again", {"bad": PROBABILITIES}, lambda line: None, None, Recording
+                 ).candidate("bad")
+    assert seen[-1] == ("bad", None)

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from pytest_fp8gate.demo.run import demo_config_text
-from pytest_fp8gate.engine import Latency
+from pytest_fp8gate.engine import Latency, timed_latency
 from pytest_fp8gate.errors import GateError
 from pytest_fp8gate.gate import Gate
 from pytest_fp8gate.options import display_path
 from pytest_fp8gate.record import ModelResult, PassResult
 from pytest_fp8gate.roofline import decode_context_tokens, estimate_from_path
-from pytest_fp8gate.thresholds import load_config
+from pytest_fp8gate.thresholds import ConfigError, load_config
 from pytest_fp8gate.verdict import Case
 
 
@@ -149,3 +149,49 @@ def test_a_gpu_missing_from_the_table_takes_nvmls_bandwidth(fake_gpus, monkeypat
     assert hardware.detected_bandwidth("auto") == ("NVIDIA H20 (NVML: 2619 MHz x 6144 bits x 2 / 8)", 4022.0)
     monkeypatch.setattr(hardware, "nvml_bandwidth_gbps", lambda index=0: (None, "NVML unavailable"))
     assert hardware.detected_bandwidth("auto") is None  # then the speed rule asks for speed.bandwidth_gbps
+
+
+# ---- how many timed iterations (addition) -----------------------------------
+
+def _runs(decode_seconds: list[float]):
+    """One iteration per call: total and prefill seconds, the decode part from ``decode_seconds`` in turn."""
+    calls = iter([0.5] * 3 + decode_seconds)  # three warm-up iterations first
+    return lambda: (0.1 + next(calls), 0.1)
+
+
+def test_steady_iterations_stop_at_the_least_count_with_their_precision_on_record():
+    latency = timed_latency(_runs([2.0, 2.001, 1.999] + [2.0] * 7), 1000, 256, 1, 3, 10, 3, 0.01)
+    assert latency.iters == 3 and latency.decode_rel_se is not None and latency.decode_rel_se < 0.01
+    assert latency.target_rel_se == 0.01 and latency.as_dict()["decode_rel_se"] == latency.decode_rel_se
+    assert latency.decode_tok_s == pytest.approx(255 / 2.0, rel=1e-3)
+
+
+def test_noisy_iterations_run_until_precise_or_the_most_allowed():
+    # Every third iteration 5% slower: the mean settles within 1% only past several iterations.
+    noisy = [2.0, 2.1, 2.0] * 10
+    latency = timed_latency(_runs(noisy), 1000, 256, 1, 3, 30, 3, 0.01)
+    assert 3 < latency.iters < 30 and latency.decode_rel_se is not None and latency.decode_rel_se <= 0.01
+    capped = timed_latency(_runs(noisy), 1000, 256, 1, 3, 5, 3, 0.01)
+    assert capped.iters == 5 and capped.decode_rel_se is not None and capped.decode_rel_se > 0.01
+
+
+def test_a_target_of_zero_runs_every_iteration_as_before():
+    latency = timed_latency(_runs([2.0] * 10), 1000, 256, 1, 3, 10, 3, 0.0)
+    assert latency.iters == 10 and latency.target_rel_se is None
+
+
+def test_the_least_count_above_the_most_is_a_config_error(tmp_path: Path):
+    path = tmp_path / "thresholds.toml"
+    path.write_text(demo_config_text({}).replace("[speed]\n", "[speed]\niters = 4\nmin_iters = 5\n"))
+    with pytest.raises(ConfigError, match=r"speed\.min_iters: expected at most speed\.iters \(4\), got 5"):
+        load_config(path)
+    path.write_text(demo_config_text({}).replace("[speed]\n", "[speed]\niters = 4\nwarmup_iters = 1\n"))  # as before
+    speed = load_config(path).speed
+    assert speed is not None and (speed.iters, speed.min_iters, speed.target_rel_se) == (4, 3, 0.01)
+
+
+def test_a_prefill_as_long_as_its_total_tells_nothing_yet_and_timing_goes_on():
+    # Noise on a shared CPU: an iteration whose prefill took as long as the whole run.
+    calls = iter([(0.6, 0.1)] * 3 + [(0.5, 0.5), (0.5, 0.52), (2.1, 0.1), (2.1, 0.1), (2.1, 0.1)] + [(2.1, 0.1)] * 5)
+    latency = timed_latency(lambda: next(calls), 1000, 256, 1, 3, 10, 3, 0.01)
+    assert latency.iters > 3 and latency.decode_rel_se is not None and latency.decode_rel_se < 1
