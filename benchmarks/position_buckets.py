@@ -38,7 +38,7 @@ METRICS = ("same_top", "rms_dp", "mean_kl", "ppl_ratio")
 
 CONFIG = """
 device = "cpu"
-deterministic_scheduling = true
+deterministic_scheduling = {deterministic}
 
 [baseline]
 name = "bf16"
@@ -85,10 +85,12 @@ def candidate_name(theta: float) -> str:
 
 
 def gate_config(directory: Path, thetas: tuple[float, ...] = (CHECKPOINT_THETA, *PLANTS),
-                passes: str = '["batch-order", "fp16"]') -> GateConfig:
-    """The thresholds file above with one candidate per RoPE base in ``thetas``, loaded."""
+                passes: str = '["batch-order", "fp16"]', deterministic: bool = True) -> GateConfig:
+    """The thresholds file above with one candidate per RoPE base in ``thetas``, loaded. ``deterministic``
+    runs the engines in this process (vLLM allows that only before any child-process engine started here)."""
     assets = embedded_assets()
-    text = CONFIG.format(model=assets.model.as_posix(), corpus=assets.corpus.as_posix(), passes=passes)
+    text = CONFIG.format(model=assets.model.as_posix(), corpus=assets.corpus.as_posix(), passes=passes,
+                         deterministic=str(deterministic).lower())
     for theta in thetas:
         text += CANDIDATE.format(name=candidate_name(theta), model=assets.model.as_posix(), theta=theta)
     path = directory / "thresholds.toml"
