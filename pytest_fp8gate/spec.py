@@ -234,6 +234,8 @@ class SpeculativeSpec:
 
     # The candidate's mean acceptance length at least this x the baseline's; required (no default measured).
     min_acceptance_ratio: float
+    # Fewer drafts than this on either model, over the windows, is too little to judge (an addition).
+    min_drafts: int = 100
 
 
 @dataclass(frozen=True)

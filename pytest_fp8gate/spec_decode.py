@@ -122,18 +122,23 @@ def window(label: str, before: Reading, after: Reading) -> Window:
     return Window(label, moved)
 
 
-def total(windows: Sequence[Window] | None, who: str) -> SpecDecodeCounts:
+def total(windows: Sequence[Window] | None, who: str, min_drafts: int = 1) -> SpecDecodeCounts:
     """The counts of every window of ``who``; ValueError, naming ``who``, for a window without counts or
-    no draft in all of them (the speculator never ran, so nothing was judged)."""
+    fewer than ``min_drafts`` drafts in all of them (too few verification steps to judge)."""
     if not windows:
         raise ValueError(f"{who}: no speculative-decoding counters were read")
     for part in windows:
         if part.counts is None:
             raise ValueError(f"{who}: {part.label} pass: {part.problem}")
     counts = sum((part.counts for part in windows if part.counts is not None), SpecDecodeCounts(0, 0, 0))
+    passes = " and ".join(w.label for w in windows)
     if counts.drafts <= 0:
-        raise ValueError(f"{who}: no draft was proposed over the {' and '.join(w.label for w in windows)} "
-                         "pass (the counters did not move): the speculator never ran on these requests")
+        raise ValueError(f"{who}: no draft was proposed over the {passes} pass (the counters did not move): the "
+                         "speculator never ran on these requests")
+    if counts.drafts < min_drafts:
+        raise ValueError(f"{who}: {counts.drafts:g} drafts over the {passes} pass, fewer than "
+                         f"speculative.min_drafts = {min_drafts}: too few verification steps to judge; generate "
+                         "more (more questions, [load]) or lower min_drafts")
     return counts
 
 

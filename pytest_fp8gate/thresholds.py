@@ -399,7 +399,7 @@ _LOAD_CHECKS = {
     "max_ttft_p99_s": _number(0, low_open=True),
     "max_tpot_p99_s": _number(0, low_open=True),
 }
-_SPECULATIVE_CHECKS = {"min_acceptance_ratio": _number(0, low_open=True)}
+_SPECULATIVE_CHECKS = {"min_acceptance_ratio": _number(0, low_open=True), "min_drafts": _integer(1)}
 
 
 # --- tables -------------------------------------------------------------------

@@ -35,7 +35,8 @@ input_len = 8
 output_len = 16
 min_throughput_fraction = 0.01
 """
-SPECULATIVE = "[speculative]\nmin_acceptance_ratio = 0.9\n"
+# The fake load levels draw a few dozen drafts: the evidence floor is lowered to what they give.
+SPECULATIVE = "[speculative]\nmin_acceptance_ratio = 0.9\nmin_drafts = 10\n"
 PROBABILITIES = ('[probabilities]\ncorpus = "c.txt"\nchunks = 1\nchunk_tokens = 100\n'
                  "[probabilities.limits]\nmax_mean_kl = 0.01\n")
 
@@ -130,6 +131,9 @@ SERVE = f"vllm serve {MODEL} --dtype bfloat16 --max-model-len 2048"
      LOAD + "[speculative]\n", r"speculative.min_acceptance_ratio: missing required key"),
     (_external("bf16", "http://127.0.0.1:1"), _external("fp8", "http://127.0.0.1:2"),
      LOAD + "[speculative]\nmin_acceptance_ratio = 0\n", r"speculative.min_acceptance_ratio: expected a number > 0"),
+    (_external("bf16", "http://127.0.0.1:1"), _external("fp8", "http://127.0.0.1:2"),
+     LOAD + "[speculative]\nmin_acceptance_ratio = 0.9\nmin_drafts = 0\n",
+     r"speculative.min_drafts: expected an integer >= 1"),
 ])
 def test_a_speculative_table_the_models_cannot_serve_is_one_config_error(tmp_path: Path, base: str, cand: str,
                                                                          checks: str, message: str):
@@ -193,6 +197,21 @@ def test_missing_or_unmoved_counters_and_a_restart_fail_the_rule_naming_the_mode
     result, _ = _gate(pytester, Knobs(spec_accepted_per_draft=2.0), cand)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([f"*acceptance: cannot judge fp8 against bf16: {message}"])
+
+
+def test_too_few_drafts_or_a_baseline_that_accepts_none_is_no_evidence(pytester: pytest.Pytester):
+    # With vllm#56797's scale of ratio the rule would pass here: 1 / 1 on a speculator that never helps.
+    result, _ = _gate(pytester, Knobs(spec_accepted_per_draft=0.0), Knobs(spec_accepted_per_draft=0.0))
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*cannot judge fp8 against bf16: bf16 accepted no draft token in * drafts*"])
+    with FakeEndpoint(Knobs(model="served-bf16", spec_accepted_per_draft=2.0)) as base_url, \
+            FakeEndpoint(Knobs(model="served-fp8", spec_accepted_per_draft=2.0)) as cand_url:
+        _write(pytester.path, _external("bf16", base_url), _external("fp8", cand_url),
+               LOAD + "[speculative]\nmin_acceptance_ratio = 0.9\n")  # the default floor, 100 drafts
+        result, _ = _run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*fp8: * drafts over the main and load pass, fewer than speculative.min_drafts = 100"
+                                 "*"])
 
 
 def test_a_cached_baseline_brings_its_counters(pytester: pytest.Pytester, tmp_path: Path):
