@@ -23,6 +23,7 @@ from pytest_fp8gate.demo.planting import (
     MARKER,
     PLANT_KINDS,
     REROUNDED,
+    WRONG_EOS,
     bf16_reround,
     plant,
     write_rerounded,
@@ -34,7 +35,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 SOURCE = embedded_assets().model
 WEIGHTS = "model.safetensors"
 LINEAR_SUFFIXES = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
-ROUND_TRIPS = [kind for kind in PLANT_KINDS if kind != EVICTED_SINK]  # the broken FP8 conversions
+ROUND_TRIPS = [kind for kind in PLANT_KINDS if kind not in (EVICTED_SINK, WRONG_EOS)]  # the broken FP8 conversions
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +181,20 @@ def test_an_empty_directory_is_written(tmp_path: Path) -> None:
     out.mkdir()
     plant("noscale", SOURCE, out)
     assert (out / MARKER).is_file() and len(safetensors_torch.load_file(out / WEIGHTS)) > 0
+
+
+def test_wrong_eos_names_the_pad_token_as_eos_and_keeps_every_other_byte(plants) -> None:
+    # The engine test of what it does: tests/test_truncation_engine.py.
+    planted = plants[WRONG_EOS]
+    assert sorted(p.name for p in planted.iterdir()) == sorted([MARKER, *(p.name for p in SOURCE.iterdir())])
+    for name in (WEIGHTS, "tokenizer.json"):
+        assert (planted / name).read_bytes() == (SOURCE / name).read_bytes(), name
+    for name, key, was, now in (("tokenizer_config.json", "eos_token", "</s>", "<pad>"),
+                                ("generation_config.json", "eos_token_id", 2, 0),
+                                ("config.json", "eos_token_id", 2, 0)):
+        config, source = (json.loads((d / name).read_text()) for d in (planted, SOURCE))
+        assert (source.pop(key), config.pop(key)) == (was, now), name
+        assert config == source, name
 
 
 def test_plant_files_get_the_umask_permissions(plants) -> None:

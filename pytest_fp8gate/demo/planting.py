@@ -7,7 +7,8 @@ touched; embeddings, norms and lm_head stay as they were. Each weight matrix W
 becomes ``e4m3(W / s) * s`` for a per-tensor scale ``s`` that is wrong on
 purpose (see ``PLANT_KINDS``). One kind is no FP8 fault but a regression only the
 decode phase can see: ``evicted-sink`` (sink_plant.py) adds a layer and a sliding
-window that change nothing before position 2,000.
+window that change nothing before position 2,000. Another, ``wrong-eos``, keeps every weight
+and breaks the end-of-sequence setup (write_wrong_eos), a fault of exported checkpoints.
 
 Plants are written on demand and atomically: the checkpoint is built in a
 temporary sibling directory, a marker naming the recipe and a hash of the
@@ -39,9 +40,9 @@ from .sink_plant import write_evicted_sink
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EVICTED_SINK", "MARKER", "PLANT_KINDS", "Q8_0_ROUND_TRIP", "REROUNDED", "Recipe", "bf16_reround",
-           "fp8_round_trip", "plant", "q8_0_round_trip", "write_q8_0_round_trip", "write_rerounded",
-           "write_transformed"]
+__all__ = ["EVICTED_SINK", "MARKER", "PLANT_KINDS", "Q8_0_ROUND_TRIP", "REROUNDED", "WRONG_EOS", "Recipe",
+           "bf16_reround", "fp8_round_trip", "plant", "q8_0_round_trip", "write_q8_0_round_trip", "write_rerounded",
+           "write_transformed", "write_wrong_eos"]
 
 MARKER = ".fp8gate-plant.json"
 REROUNDED = "bf16-rerounded"  # the equally valid BF16 build (write_rerounded), not a plant
@@ -94,8 +95,14 @@ _RECIPES: dict[str, Recipe] = {
 }
 
 EVICTED_SINK = "evicted-sink"  # sink_plant.py: a regression only positions past the probability chunks reach
+WRONG_EOS = "wrong-eos"  # write_wrong_eos: the weights untouched, the answers no longer end
+_WRONG_EOS_SUMMARY = (
+    "the weights untouched, but the export names the pad token as end of sequence (tokenizer_config.json's "
+    "eos_token, generation_config.json's and config.json's eos_token_id): the engine no longer stops at the "
+    "EOS the model writes and answers run to the token budget; trips truncation on a task whose only stop "
+    "is EOS (think_end)")
 PLANT_KINDS: dict[str, str] = {**{kind: recipe.summary for kind, recipe in _RECIPES.items()},
-                               EVICTED_SINK: SINK_SUMMARY}
+                               EVICTED_SINK: SINK_SUMMARY, WRONG_EOS: _WRONG_EOS_SUMMARY}
 
 
 def plant(kind: str, source_dir: Path, out_dir: Path) -> Path:
@@ -107,6 +114,8 @@ def plant(kind: str, source_dir: Path, out_dir: Path) -> Path:
     """
     if kind == EVICTED_SINK:
         return _write_once({"kind": kind, "recipe": SINK_RECIPE}, write_evicted_sink, Path(source_dir), Path(out_dir))
+    if kind == WRONG_EOS:
+        return _write_once({"kind": kind}, write_wrong_eos, Path(source_dir), Path(out_dir))
     if kind not in _RECIPES:
         raise ValueError(f"unknown plant kind {kind!r}; valid kinds: {', '.join(PLANT_KINDS)}")
     recipe = _RECIPES[kind]
@@ -261,6 +270,28 @@ def write_transformed(transform: Callable[[torch.Tensor], torch.Tensor], source_
             }
         # safetensors' save_file creates 0600 files; these get the permissions the umask gives.
         atomic_write_bytes(out_dir / path.name, save(tensors, metadata=metadata))
+
+
+def write_wrong_eos(source_dir: Path, out_dir: Path) -> None:
+    """Copy the checkpoint with its pad token named as EOS wherever the export states EOS. vLLM stops at
+    the tokenizer's eos_token_id and generation_config.json's eos_token_id
+    (SamplingParams.update_from_generation_config); both now name the pad token, which the model never
+    writes, so its own EOS (still a special token, skipped in the text) ends nothing."""
+    tokenizer = json.loads((source_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    pad = tokenizer.get("pad_token")
+    generation = json.loads((source_dir / "generation_config.json").read_text(encoding="utf-8"))
+    pad_id = generation.get("pad_token_id")
+    if pad is None or pad_id is None or pad == tokenizer.get("eos_token"):
+        raise ValueError(f"{source_dir}: needs a pad token apart from EOS (tokenizer_config.json's pad_token, "
+                         "generation_config.json's pad_token_id) to name as EOS")
+    edits = {"tokenizer_config.json": {"eos_token": pad}, "generation_config.json": {"eos_token_id": pad_id},
+             "config.json": {"eos_token_id": pad_id}}
+    for path in sorted(source_dir.iterdir()):
+        if path.is_file() and path.name != MARKER:
+            shutil.copy2(path, out_dir / path.name)
+    for name, edit in edits.items():
+        settings = json.loads((out_dir / name).read_text(encoding="utf-8"))
+        (out_dir / name).write_text(json.dumps({**settings, **edit}, indent=2) + "\n", encoding="utf-8")
 
 
 def fp8_round_trip(recipe: Recipe, weight: torch.Tensor) -> torch.Tensor:
