@@ -22,6 +22,7 @@ import numpy as np
 
 from . import capabilities, lifecycle, provenance, stack, timing
 from .errors import IdScoringUnavailable, MeasurementError
+from .load import bench_prompt_ids
 from .logprobs import LogprobRun
 from .rules import LoadLevel
 from .spec import LoadSpec, ModelSpec
@@ -346,10 +347,7 @@ class Engine:
         """
         from vllm import SamplingParams
 
-        rng = np.random.default_rng(0)
-        # Ids below 10,000, as vllm bench latency draws its dummy prompts (benchmarks/latency.py).
-        prompts = [{"prompt_token_ids": rng.integers(0, min(self.vocab_size, 10000), input_len).tolist()}
-                   for _ in range(batch_size)]
+        prompts = [{"prompt_token_ids": ids} for ids in bench_prompt_ids(self.vocab_size, input_len, batch_size)]
         full = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len, seed=0)
         prefill = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=1, seed=0)
 

@@ -26,6 +26,13 @@ from .spec import LoadSpec
 WARMUP_TOKENS = 8  # a warm-up level's output: it only has to reach every batch size once
 
 
+def bench_prompt_ids(vocab_size: int, length: int, count: int, seed: int | Sequence[int] = 0) -> list[list[int]]:
+    """``count`` prompts of ``length`` random ids below 10,000 (and the vocabulary), drawn as ``vllm bench``
+    draws its dummy prompts (benchmarks/latency.py): the speed rule's and the load levels' prompts."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, min(vocab_size, 10000), length).tolist() for _ in range(count)]
+
+
 def streamed(client: EndpointClient, body: dict[str, Any]) -> tuple[float, float, float, int]:
     """(start, first token, last token: perf_counter times; output tokens) of one streamed completion that
     ``body`` asks for ``max_tokens`` tokens of with ``ignore_eos``. Only a complete stream counts: one that
@@ -66,10 +73,9 @@ def measure_level(client: EndpointClient, model: str, concurrency: int, requests
     second measurement of one server needs another seed, or its prefix cache serves the prompts.
     Only complete requests count: any failed one (an error status, an early end, an error event, a
     dropped stream) fails the level with the count; one past its deadline ends the level at once."""
-    rng = np.random.default_rng(seed)
-    bodies = [{"model": model, "prompt": rng.integers(0, min(vocab_size, 10000), input_len).tolist(),
-               "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
-               "return_token_ids": True} for _ in range(requests)]
+    bodies = [{"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
+               "stream": True, "return_token_ids": True}
+              for prompt in bench_prompt_ids(vocab_size, input_len, requests, seed)]
     started = time.perf_counter()
     results: list[tuple[float, float, int]] = []
     failures: list[EndpointError] = []

@@ -201,8 +201,7 @@ class ServedEngine(Engine):
         """Streamed requests of random prompt ids (as in-process), ``batch_size`` at once: the median time to
         the last token is the total, the median time to the first token the prefill; as many iterations as
         engine.timed_latency needs."""
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(0, min(self.vocab_size, 10000), input_len).tolist() for _ in range(batch_size)]
+        prompts = load.bench_prompt_ids(self.vocab_size, input_len, batch_size)
         body = {"model": self.served.served_model_name, "max_tokens": output_len, "ignore_eos": True,
                 "temperature": 1.0, "top_p": 1.0, "seed": 0, "stream": True, "return_token_ids": True}
 

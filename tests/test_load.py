@@ -17,6 +17,7 @@ from fake_endpoint import FakeEndpoint, Knobs
 from pytest_fp8gate import rules
 from pytest_fp8gate.demo.embedded import embedded_assets
 from pytest_fp8gate.errors import CacheEntryError, ConfigError
+from pytest_fp8gate.load import bench_prompt_ids
 from pytest_fp8gate.rules import LoadLevel, throughput_under_load
 from pytest_fp8gate.spec import CPU_MIN_THROUGHPUT_FRACTION
 from pytest_fp8gate.thresholds import load_config
@@ -202,3 +203,10 @@ def test_a_cached_baseline_brings_its_levels_and_one_without_them_is_measured(py
         _restore({**stored, "load": None}, tmp_path, load_config(pytester.path / "thresholds.toml").baseline,
                  cache, key)
     assert rules.BY_NAME["load"].test == "test_throughput_under_load"
+
+
+def test_bench_prompts_are_the_same_for_a_seed_and_stay_inside_the_vocabulary() -> None:
+    prompts = bench_prompt_ids(259, 50, 3)
+    assert prompts == bench_prompt_ids(259, 50, 3) != bench_prompt_ids(259, 50, 3, seed=1)
+    assert [len(p) for p in prompts] == [50] * 3 and max(max(p) for p in prompts) < 259
+    assert max(max(p) for p in bench_prompt_ids(128256, 2000, 2)) < 10000  # as vllm bench draws them
