@@ -196,6 +196,10 @@ class RequestClock:
         with self._lock:
             self.seconds[step] = self.seconds.get(step, 0.0) + seconds
 
+    def add_bytes(self, count: int) -> None:
+        with self._lock:
+            self.bytes += count
+
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
         with self._lock:
@@ -301,8 +305,7 @@ class EndpointClient:
             clock.add("server (to first byte)", headers - sent)
             clock.add("transfer", read - headers)
             clock.add("client JSON parse", time.perf_counter() - read)
-            with clock._lock:
-                clock.bytes += len(raw)
+            clock.add_bytes(len(raw))
             return value
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[tuple[float, Any]]:

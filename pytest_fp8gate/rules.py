@@ -677,6 +677,11 @@ def acceptance_at_least(candidate: SpecDecodeCounts, baseline: SpecDecodeCounts,
     for who, counts in (("candidate", candidate), ("baseline", baseline)):
         if not counts.drafts > 0:
             raise ValueError(f"the {who} proposed no draft")
+    if not baseline.accepted_tokens > 0:
+        # Its mean acceptance length is 1, so a candidate that accepts nothing either would pass at 1 / 1.
+        raise ValueError(f"the baseline accepted no draft token in {baseline.drafts:g} drafts, so its speculator "
+                         "gains nothing on these requests and no ratio can show a loss; use requests whose text "
+                         "the speculator can predict")
     ratio = candidate.mean_acceptance_length / baseline.mean_acceptance_length
     rows: list[Row] = []
     for who, counts in (("baseline", baseline), ("candidate", candidate)):

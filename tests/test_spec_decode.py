@@ -90,6 +90,8 @@ def test_the_rule_passes_at_the_ratio_and_fails_below_it_and_every_rejected_draf
     assert not rejected.passed and rejected.measured == pytest.approx(1 / 3.51)
     with pytest.raises(ValueError, match="the baseline proposed no draft"):
         rules.acceptance_at_least(fp8_kv, SpecDecodeCounts(0, 0, 0), 0.9)
+    with pytest.raises(ValueError, match="the baseline accepted no draft token in 100 drafts"):
+        rules.acceptance_at_least(SpecDecodeCounts(100, 300, 0), SpecDecodeCounts(100, 300, 0), 0.9)
 
 
 def test_the_speculative_config_is_found_in_each_form_of_the_flag():
@@ -203,7 +205,7 @@ def test_too_few_drafts_or_a_baseline_that_accepts_none_is_no_evidence(pytester:
     # With vllm#56797's scale of ratio the rule would pass here: 1 / 1 on a speculator that never helps.
     result, _ = _gate(pytester, Knobs(spec_accepted_per_draft=0.0), Knobs(spec_accepted_per_draft=0.0))
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*cannot judge fp8 against bf16: bf16 accepted no draft token in * drafts*"])
+    result.stdout.fnmatch_lines(["*cannot judge fp8 against bf16: the baseline accepted no draft token in * drafts*"])
     with FakeEndpoint(Knobs(model="served-bf16", spec_accepted_per_draft=2.0)) as base_url, \
             FakeEndpoint(Knobs(model="served-fp8", spec_accepted_per_draft=2.0)) as cand_url:
         _write(pytester.path, _external("bf16", base_url), _external("fp8", cand_url),
