@@ -442,16 +442,11 @@ def _load_judgement(load: LoadSpec, outcome: RuleOutcome) -> str:
 
 def _load_table(candidate: list[rules.LoadLevel], baseline: list[rules.LoadLevel]) -> list[str]:
     """Each level's figures of both models side by side, one line a level."""
-    lines = []
-    for own, theirs in zip(candidate, baseline):
-        c, b = own.as_dict(), theirs.as_dict()
-        lines.append(f"c={own.concurrency}, {own.requests} requests: output tok/s baseline {b['output_tok_s']:.1f}, "
-                     f"candidate {c['output_tok_s']:.1f} ({c['output_tok_s'] / b['output_tok_s']:.3f}); TTFT "
-                     f"p50/p99 baseline {b['ttft_p50_s']:.4g}/{b['ttft_p99_s']:.4g} s, candidate "
-                     f"{c['ttft_p50_s']:.4g}/{c['ttft_p99_s']:.4g} s; TPOT p50/p99 baseline "
-                     f"{b['tpot_p50_s'] * 1e3:.4g}/{b['tpot_p99_s'] * 1e3:.4g} ms, candidate "
-                     f"{c['tpot_p50_s'] * 1e3:.4g}/{c['tpot_p99_s'] * 1e3:.4g} ms")
-    return lines
+    return [f"c={own.concurrency}, {own.requests} requests: output tok/s baseline {b['tok_s']}, candidate "
+            f"{c['tok_s']} ({fraction}); TTFT p50/p99 baseline {b['ttft_p50']}/{b['ttft_p99']} s, candidate "
+            f"{c['ttft_p50']}/{c['ttft_p99']} s; TPOT p50/p99 baseline {b['tpot_p50']}/{b['tpot_p99']} ms, "
+            f"candidate {c['tpot_p50']}/{c['tpot_p99']} ms"
+            for own, c, b, fraction in rules.shown_level_pairs(candidate, baseline)]
 
 
 def _flip_rule_note(limits: TaskLimits, floor_flips: int, questions: int, outcome: RuleOutcome) -> str:

@@ -166,13 +166,9 @@ class _Candidate:
         base = self.data.baseline.result if self.data.baseline else None
         if self.result is None or self.result.load is None or base is None or base.load is None:
             return []
-        rows = []
-        for own, theirs in zip(self.result.load, base.load):
-            c, b = own.as_dict(), theirs.as_dict()
-            rows.append((str(own.concurrency), f"{b['output_tok_s']:.1f}", f"{c['output_tok_s']:.1f}",
-                         f"{c['output_tok_s'] / b['output_tok_s']:.3f}" if b["output_tok_s"] else "-",
-                         f"{c['ttft_p50_s']:.4g} / {c['ttft_p99_s']:.4g}",
-                         f"{c['tpot_p50_s'] * 1e3:.4g} / {c['tpot_p99_s'] * 1e3:.4g}"))
+        rows = [(str(own.concurrency), b["tok_s"], c["tok_s"], fraction, f"{c['ttft_p50']} / {c['ttft_p99']}",
+                 f"{c['tpot_p50']} / {c['tpot_p99']}")
+                for own, c, b, fraction in rules.shown_level_pairs(self.result.load, base.load)]
         return ["Speed under load (served):", "", *table(("concurrency", "baseline tok/s", "candidate tok/s",
                                                           "fraction", "candidate TTFT p50 / p99 s",
                                                           "candidate TPOT p50 / p99 ms"), rows), ""]

@@ -619,6 +619,22 @@ class LoadLevel:
                 "ttft_p50_s": self.percentile(self.ttft_s, 50), "ttft_p99_s": self.percentile(self.ttft_s, 99),
                 "tpot_p50_s": self.percentile(self.tpot_s, 50), "tpot_p99_s": self.percentile(self.tpot_s, 99)}
 
+    def shown(self) -> dict[str, str]:
+        """The level's figures as every report writes them: tok/s, TTFT in s, TPOT in ms."""
+        figures = self.as_dict()
+        return {"tok_s": f"{figures['output_tok_s']:.1f}",
+                **{f"ttft_{q}": f"{figures[f'ttft_{q}_s']:.4g}" for q in ("p50", "p99")},
+                **{f"tpot_{q}": f"{figures[f'tpot_{q}_s'] * 1e3:.4g}" for q in ("p50", "p99")}}
+
+
+def shown_level_pairs(candidate: Sequence[LoadLevel],
+                      baseline: Sequence[LoadLevel]) -> list[tuple[LoadLevel, dict[str, str], dict[str, str], str]]:
+    """Each level of both models as shown (the load table of the verdict and of the report): the
+    candidate's level, its figures, the baseline's, and the throughput fraction ("-" without a baseline rate)."""
+    return [(own, own.shown(), theirs.shown(),
+             f"{own.output_tok_s / theirs.output_tok_s:.3f}" if theirs.output_tok_s else "-")
+            for own, theirs in zip(candidate, baseline)]
+
 
 def throughput_fractions(candidate: Sequence[LoadLevel], baseline: Sequence[LoadLevel]) -> dict[int, float]:
     """Candidate output tok/s over the baseline's at each concurrency both measured."""
