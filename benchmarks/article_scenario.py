@@ -52,12 +52,12 @@ def scenario_config(args: argparse.Namespace, workdir: Path, bf16: Path, fp8: Pa
                                gpu_memory_utilization=args.gpu_memory_utilization, device="cuda",
                                candidates="fp8-per-channel,fp8-dynamic", concurrencies="1,8,64")
     if args.form == "served":
-        config, models = gpu_check._served_config(shape, workdir, bf16)
+        config, models = gpu_check.served_config(shape, workdir, bf16)
         flags = models["bf16"].split(" ", 2)[2]  # the same flags for every server
         with config.open("a", encoding="utf-8") as out:
             out.write(f'[[candidates]]\nname = "fp8-dynamic"\nserve = "vllm serve {fp8} {flags}"\n')
     else:
-        config = gpu_check._shape_config(shape, workdir, bf16, fp8)
+        config = gpu_check.shape_config(shape, workdir, bf16, fp8)
     text = config.read_text(encoding="utf-8")
     task = TASK.format(tasks=embedded_assets().tasks, questions=args.questions)
     cut = text.index("[[candidates]]")
@@ -105,9 +105,9 @@ def main() -> int:
                "-p", "no:randomly", "-rfEs", "--json-report", f"--json-report-file={report}",
                "--fp8gate-baseline-cache", str(caches["baseline"]),
                "--fp8gate-compile-cache", str(caches["compile"])]
-    code, seconds = gpu_check._run(command, workdir / "gate.log", 3600)
-    print(f"{args.form}, {args.cache} caches: pytest exit {code} in {seconds:.0f} s ({gpu_check._versions()})")
-    print("\n".join(gpu_check._rule_table(report)))
+    code, seconds = gpu_check.run_logged(command, workdir / "gate.log", 3600)
+    print(f"{args.form}, {args.cache} caches: pytest exit {code} in {seconds:.0f} s ({gpu_check.versions()})")
+    print("\n".join(gpu_check.rule_table(report)))
     log = (workdir / "gate.log").read_text(encoding="utf-8", errors="replace").splitlines()
     print("\n".join(line for line in log if line.startswith(("fp8gate time:", "fp8gate: "))))
     return 0

@@ -103,7 +103,7 @@ def main() -> int:
                         help="shape part: leave out the vllm bench latency comparison")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    lines = [f"fp8gate gpu-check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {_versions()}"]
+    lines = [f"fp8gate gpu-check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {versions()}"]
     parts = set(args.parts.split(","))
     # The real-size shape first: it is what the demo cannot show.
     if "shape" in parts:
@@ -136,7 +136,7 @@ def _write_summary(workdir: Path, lines: list[str]) -> str:
     return summary
 
 
-def _versions() -> str:
+def versions() -> str:
     import torch
     import vllm
 
@@ -148,7 +148,7 @@ def _selection(args: argparse.Namespace) -> list[str]:
     return ["-k", args.gate_k] if args.gate_k else []
 
 
-def _run(command: list[str], log: Path, timeout: int) -> tuple[int, float]:
+def run_logged(command: list[str], log: Path, timeout: int) -> tuple[int, float]:
     started = time.perf_counter()
     with log.open("w") as out:
         code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
@@ -166,17 +166,17 @@ def _demo(args: argparse.Namespace) -> list[str]:
                *(f"--plant={kind}" for kind in args.plants.split(",") if kind),
                *(["--questions", str(args.questions)] if args.questions else []),
                "--", "--json-report", f"--json-report-file={report}", "-p", "no:randomly"]
-    code, seconds = _run(command, args.workdir / "demo.log", 1200)
+    code, seconds = run_logged(command, args.workdir / "demo.log", 1200)
     lines = [f"(a) demo gate, {'CUDA config' if args.device == 'cuda' else 'CPU config'}: "
              f"pytest exit {code} in {seconds:.0f} s (log {args.workdir / 'demo.log'})"]
-    lines += _rule_table(report)
+    lines += rule_table(report)
     lines += _pass_lines(args.workdir / "demo.log")
     lines.append("(e) free GPU memory around in-process engines (deterministic_scheduling = true), MiB:")
     lines += _memory_lines(workdir / "artifacts" / "gpu_memory.json")
     return lines
 
 
-def _rule_table(report: Path) -> list[str]:
+def rule_table(report: Path) -> list[str]:
     if not report.is_file():
         return ["    no JSON report was written"]
     rows = []
@@ -222,7 +222,7 @@ def _noise_cost(args: argparse.Namespace) -> list[str]:
         command = [sys.executable, str(Path(__file__).with_name("demo_passes.py")),
                    "--questions", str(args.noise_questions), "--settings", "default",
                    *(["--cuda"] if args.device == "cuda" else []), *(["--model", str(model)] if model else [])]
-        code, _ = _run(command, log, 1500)
+        code, _ = run_logged(command, log, 1500)
         found = [line.removeprefix("SUMMARY default ") for line in log.read_text().splitlines()
                  if line.startswith("SUMMARY ")]
         lines += [f"    {label}: {line}" for line in found] or [f"    {label}: failed (exit {code}; log {log})"]
@@ -251,15 +251,15 @@ def _shape(args: argparse.Namespace) -> list[str]:
                  f"{fp8_roof.weight_bytes / 1e9:.2f} GB ({fp8_roof.weight_gib:.2f} GiB) of weights, "
                  f"{fp8_roof.bytes_per_token / 1e9:.2f} GB read a token (safetensors headers, no KV)")
 
-    config = _shape_config(args, workdir, bf16, fp8)
+    config = shape_config(args, workdir, bf16, fp8)
     report = workdir / "report.json"
     command = [sys.executable, "-m", "pytest", str(config), "--fp8gate-config", str(config), "--rootdir",
                str(workdir), "--fp8gate-artifacts", str(workdir / "artifacts"), "-p", "no:cacheprovider",
                "-p", "no:randomly", "-rfEs", "--json-report", f"--json-report-file={report}", *_selection(args)]
-    code, seconds = _run(command, workdir / "gate.log", 1500)
+    code, seconds = run_logged(command, workdir / "gate.log", 1500)
     lines.append(f"    gate on it (BF16, batch-order noise, candidates {args.candidates}): "
                  f"pytest exit {code} in {seconds:.0f} s (log {workdir / 'gate.log'})")
-    lines += _rule_table(report)
+    lines += rule_table(report)
     lines += _pass_lines(workdir / "gate.log")
     lines += _kl_lines(report)
     lines += _speed_lines(report)
@@ -270,7 +270,7 @@ def _shape(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def _shape_config(args: argparse.Namespace, workdir: Path, bf16: Path, fp8: Path) -> Path:
+def shape_config(args: argparse.Namespace, workdir: Path, bf16: Path, fp8: Path) -> Path:
     corpus_text = embedded_assets().corpus.read_text(encoding="utf-8")
     # The byte-level tokenizer makes one token of each character; repeat until the chunks fit.
     needed = args.chunks * args.chunk_tokens + 1
@@ -371,7 +371,7 @@ def _bench_latency(args: argparse.Namespace, workdir: Path, bf16: Path) -> list[
                "--max-model-len", str(max(args.chunk_tokens + 1, args.input_len + args.output_len) + 64),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--output-json", str(out),
                *(["--enforce-eager"] if args.device == "cpu" else [])]
-    code, seconds = _run(command, workdir / "bench_latency.log", 900)
+    code, seconds = run_logged(command, workdir / "bench_latency.log", 900)
     if code != 0 or not out.is_file():
         return [f"    vllm bench latency failed (exit {code}; log {workdir / 'bench_latency.log'})"]
     bench = json.loads(out.read_text())
@@ -409,7 +409,7 @@ def _truth(args: argparse.Namespace) -> list[str]:
     command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "-q", str(config),
                "--rootdir", str(workdir), "--fp8gate-config", str(config), "--fp8gate-artifacts", str(artifacts),
                "-k", "kl_within", "--json-report", f"--json-report-file={report}"]
-    code, seconds = _run(command, args.workdir / "truth.log", 1800)
+    code, seconds = run_logged(command, args.workdir / "truth.log", 1800)
     lines = [f"(f) what the engine ran: pytest exit {code} in {seconds:.0f} s (log {args.workdir / 'truth.log'})"]
     for name in ("bf16", *(name for name, _ in _truth_candidates(args))):
         path = artifacts / name / "provenance.json"
@@ -480,7 +480,7 @@ def _sigkill_lines(args: argparse.Namespace) -> list[str]:
 # ---- (h) the same shape served (issue 20) --------------------------------------------
 
 
-def _served_config(args: argparse.Namespace, workdir: Path, bf16: Path) -> tuple[Path, dict[str, str]]:
+def served_config(args: argparse.Namespace, workdir: Path, bf16: Path) -> tuple[Path, dict[str, str]]:
     """The shape part's config with its model tables served and [load] at ``--concurrencies``; the serve argv
     of each model (without ``vllm``)."""
     max_len = max(args.chunk_tokens + 1, args.input_len + args.output_len) + 64
@@ -488,7 +488,7 @@ def _served_config(args: argparse.Namespace, workdir: Path, bf16: Path) -> tuple
     flags += " --enforce-eager" if args.device == "cpu" else ""
     models = {"bf16": f"serve {bf16} {flags}",
               "fp8-per-channel": f"serve {bf16} {flags} --quantization fp8_per_channel"}
-    config = _shape_config(args, workdir, bf16, bf16)
+    config = shape_config(args, workdir, bf16, bf16)
     text = config.read_text(encoding="utf-8")
     head, checks = text[:text.index("[baseline]")], text[text.index("[noise]"):text.index("[[candidates]]")]
     tables = [f'[baseline]\nname = "bf16"\nserve = "vllm {models["bf16"]}"\nhealth_timeout_s = 1200\n',
@@ -510,7 +510,7 @@ def _served(args: argparse.Namespace) -> list[str]:
     bf16 = args.workdir / "shape" / "bf16"
     if not (bf16 / RANDOM_MARKER).is_file():
         write_random_checkpoint(args.shape, bf16, device=args.device)
-    config, models = _served_config(args, workdir, bf16)
+    config, models = served_config(args, workdir, bf16)
     load = load_config(config).load  # a bad config fails here, before any server starts
     assert load is not None
     if args.dry_run:
@@ -519,10 +519,10 @@ def _served(args: argparse.Namespace) -> list[str]:
     command = [sys.executable, "-m", "pytest", str(config), "--fp8gate-config", str(config), "--rootdir",
                str(workdir), "--fp8gate-artifacts", str(workdir / "artifacts"), "-p", "no:cacheprovider",
                "-p", "no:randomly", "-rfEs", "--json-report", f"--json-report-file={report}", *_selection(args)]
-    code, seconds = _run(command, workdir / "gate.log", 2400)
+    code, seconds = run_logged(command, workdir / "gate.log", 2400)
     lines = [f"(i) {args.shape} served by vllm serve (BF16, online fp8_per_channel), gate over HTTP with [load] at "
              f"c={args.concurrencies}: pytest exit {code} in {seconds:.0f} s (log {workdir / 'gate.log'})"]
-    lines += _rule_table(report)
+    lines += rule_table(report)
     lines += _speed_lines(report)
     lines += _load_lines(report, workdir / "load.json")
     lines += _tpot_against_in_process(report, args.workdir / "shape" / "report.json")
