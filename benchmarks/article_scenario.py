@@ -26,7 +26,7 @@ from pathlib import Path
 
 import gpu_check
 
-from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 TASK = """[[tasks]]
 name = "arith"
@@ -75,10 +75,10 @@ def main() -> int:
     parser.add_argument("--prepare-only", action="store_true", help="Write the checkpoints and stop")
     args = parser.parse_args()
 
-    from pytest_fp8gate.fp8_writer import MARKER as QUANTIZED_MARKER
-    from pytest_fp8gate.fp8_writer import write_fp8_checkpoint
-    from pytest_fp8gate.shapes import MARKER as RANDOM_MARKER
-    from pytest_fp8gate.shapes import write_random_checkpoint
+    from pytest_fp8gate.tools.fp8_writer import MARKER as QUANTIZED_MARKER
+    from pytest_fp8gate.tools.fp8_writer import write_fp8_checkpoint
+    from pytest_fp8gate.tools.shapes import MARKER as RANDOM_MARKER
+    from pytest_fp8gate.tools.shapes import write_random_checkpoint
 
     bf16, fp8 = args.workdir / "bf16", args.workdir / "fp8-dynamic"
     started = time.perf_counter()

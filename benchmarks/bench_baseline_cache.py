@@ -25,7 +25,7 @@ TARGET_RATIO = 0.5
 
 def run_demo(workdir: Path, cache: Path) -> tuple[float, str]:
     """Wall time of one `fp8gate demo` run and its output; exits if the gate does not pass."""
-    command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir),
+    command = [sys.executable, "-m", "pytest_fp8gate.tools.cli", "demo", "--workdir", str(workdir),
                "--", "--fp8gate-baseline-cache", str(cache)]
     started = time.perf_counter()
     done = subprocess.run(command, env=ENV, capture_output=True, text=True)

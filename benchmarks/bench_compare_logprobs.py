@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from pytest_fp8gate.logprobs import LogprobRun, compare_logprobs
+from pytest_fp8gate.core.logprobs import LogprobRun, compare_logprobs
 
 K = 20
 POOL = 24  # plausible tokens per position; 4 of them fall outside each top-20

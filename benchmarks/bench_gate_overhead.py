@@ -35,8 +35,8 @@ def bare(workdir: Path) -> None:
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    from pytest_fp8gate.engine import ALL_AT_ONCE
-    from pytest_fp8gate.measure import BATCH_ORDER
+    from pytest_fp8gate.engines.engine import ALL_AT_ONCE
+    from pytest_fp8gate.run.measure import BATCH_ORDER
 
     probs, task = config["probabilities"], config["tasks"][0]
     samples = workdir / "artifacts" / "bf16" / "main" / f"samples_{task['name']}.jsonl"
@@ -76,7 +76,7 @@ def timed(command: list[str]) -> float:
 
 def main() -> None:
     workdir = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="fp8gate-bench-"))
-    gate_s = timed([sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir)])
+    gate_s = timed([sys.executable, "-m", "pytest_fp8gate.tools.cli", "demo", "--workdir", str(workdir)])
     bare_s = timed([sys.executable, __file__, "--bare", str(workdir)])
     print(f"demo gate (pytest + lm-eval + statistics) : {gate_s:8.1f} s")
     print(f"bare vLLM script, same engine work        : {bare_s:8.1f} s")

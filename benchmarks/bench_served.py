@@ -21,7 +21,7 @@ from pathlib import Path
 def _demo(workdir: Path, questions: int, serve: bool, select: str | None
           ) -> tuple[float, dict[str, tuple[str, float | None]]]:
     report = workdir / "report.json"
-    command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir),
+    command = [sys.executable, "-m", "pytest_fp8gate.tools.cli", "demo", "--workdir", str(workdir),
                "--questions", str(questions), *(["--serve"] if serve else []),
                "--", "--json-report", f"--json-report-file={report}", "-p", "no:randomly",
                *(["-k", select] if select else [])]

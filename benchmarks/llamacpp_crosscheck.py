@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pytest_fp8gate.logprobs import LogprobComparison, LogprobRun, compare_logprobs, kl_per_position
+from pytest_fp8gate.core.logprobs import LogprobComparison, LogprobRun, compare_logprobs, kl_per_position
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "pytest_fp8gate" / "assets" / "english" / "corpus.txt"
@@ -223,10 +223,10 @@ def main() -> None:
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     if args.baseline is None:
-        from pytest_fp8gate.demo.smollm2 import smollm2_checkpoint
+        from pytest_fp8gate.tools.demo.smollm2 import smollm2_checkpoint
         args.baseline = smollm2_checkpoint()
     if args.round_trip is None:
-        from pytest_fp8gate.demo.planting import write_q8_0_round_trip
+        from pytest_fp8gate.tools.demo.planting import write_q8_0_round_trip
         args.round_trip = write_q8_0_round_trip(args.baseline, work / "q8_0-roundtrip")
 
     ggufs = {"base": work / "base-bf16.gguf", "rt": work / "q8_0-roundtrip-bf16.gguf", "q8_0": work / "q8_0.gguf"}

@@ -17,12 +17,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pytest_fp8gate import corpus, load
-from pytest_fp8gate.demo.run import cpu_kv_cache_bytes
-from pytest_fp8gate.http_client import EndpointClient
-from pytest_fp8gate.rules import LoadLevel, throughput_fractions
-from pytest_fp8gate.server_process import ManagedServer
-from pytest_fp8gate.spec import LoadSpec
+from pytest_fp8gate import checkpoint
+from pytest_fp8gate.config.spec import LoadSpec
+from pytest_fp8gate.core.rules import LoadLevel, throughput_fractions
+from pytest_fp8gate.engines import load
+from pytest_fp8gate.engines.http_client import EndpointClient
+from pytest_fp8gate.engines.server_process import ManagedServer
+from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
 
 CPU_FLAGS = f"--dtype bfloat16 --max-model-len 2048 --enforce-eager --kv-cache-memory-bytes {cpu_kv_cache_bytes()}"
 
@@ -63,7 +64,7 @@ def null_lines(found: list[list[LoadLevel]]) -> list[str]:
 
 
 def main() -> int:
-    from pytest_fp8gate.demo.embedded import embedded_assets
+    from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="default: the demo's embedded model")
@@ -79,7 +80,7 @@ def main() -> int:
                     input_len=args.input_len, output_len=args.output_len)
     started = time.perf_counter()
     found = null_rounds(["serve", model, *args.flags.split()], model, spec, args.rounds,
-                        corpus.vocab_size_hint(model))
+                        checkpoint.vocab_size_hint(model))
     print(f"load null, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: vllm serve {model} {args.flags}; "
           f"{args.rounds} rounds at c={args.concurrencies}, {args.input_len} in, {args.output_len} out, requests "
           f"{[spec.requests_at(c) for c in spec.concurrencies]}; {time.perf_counter() - started:.0f} s")

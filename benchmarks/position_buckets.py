@@ -21,16 +21,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from pytest_fp8gate import rules
 from pytest_fp8gate.atomic import atomic_write_text
-from pytest_fp8gate.cases import needs_of
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.gate import Gate
-from pytest_fp8gate.logprobs import LogprobComparison
-from pytest_fp8gate.measure import Measurements
-from pytest_fp8gate.spec import GateConfig
-from pytest_fp8gate.thresholds import load_config
-from pytest_fp8gate.verdict import Case
+from pytest_fp8gate.config.spec import GateConfig
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core import rules
+from pytest_fp8gate.core.logprobs import LogprobComparison
+from pytest_fp8gate.face.cases import needs_of
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.verdict import Case
+from pytest_fp8gate.run.measure import Measurements
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 CHECKPOINT_THETA = 10000.0  # the embedded model's rope_parameters.rope_theta
 PLANTS = (10700.0, 11500.0)

@@ -37,11 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from pytest_fp8gate import http_client, served_engine
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.engine import Engine
-from pytest_fp8gate.logprobs import LogprobRun
-from pytest_fp8gate.spec import ModelSpec, ServedSpec
+from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
+from pytest_fp8gate.core.logprobs import LogprobRun
+from pytest_fp8gate.engines import http_client, served_engine
+from pytest_fp8gate.engines.engine import Engine
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 STEPS = ("server (to first byte)", "transfer", "client JSON parse", "conversion to arrays")
 
@@ -137,8 +137,9 @@ def main() -> int:
     parser.add_argument("--in-flight", type=int, nargs="+", default=[1, 4, 32],
                         help="requests in flight at once (served_engine.MAX_IN_FLIGHT) for each served pass")
     parser.add_argument("--cuda", action="store_true", help="the CUDA build on a GPU: no CPU engine settings")
-    parser.add_argument("--shape", default=None, help="instead of --model: this shape (pytest_fp8gate.shapes) with "
-                        "random BF16 weights, written once under --workdir (e.g. llama-3.1-8b)")
+    parser.add_argument("--shape", default=None, help="instead of --model: this shape "
+                        "(pytest_fp8gate.tools.shapes) with random BF16 weights, written once under --workdir "
+                        "(e.g. llama-3.1-8b)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/served-logprobs"))
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--api-servers", type=int, default=1,
@@ -152,7 +153,7 @@ def main() -> int:
         return _synthetic(args.chunk_tokens, args.top_k, args.synthetic)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.shape:
-        from pytest_fp8gate.shapes import write_random_checkpoint
+        from pytest_fp8gate.tools.shapes import write_random_checkpoint
 
         checkpoint = args.workdir / args.shape
         if not checkpoint.is_dir():

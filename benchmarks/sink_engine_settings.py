@@ -1,6 +1,6 @@
 """How the evicted-sink plant answers the demo's task under one vLLM engine setting.
 
-The plant (pytest_fp8gate/demo/sink_plant.py) is the baseline to the bit while BOS is inside its
+The plant (pytest_fp8gate/tools/demo/sink_plant.py) is the baseline to the bit while BOS is inside its
 2,000-token window, and the task's prompts are about 1,000 tokens long: its answers should be the
 baseline's. This runs one model under one setting and writes its answers, so that settings can be
 set side by side (each run is its own process: one engine per process).

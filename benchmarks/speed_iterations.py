@@ -22,9 +22,9 @@ import statistics as stats
 import sys
 import time
 
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.engine import Engine, Latency
-from pytest_fp8gate.spec import ModelSpec, SpeedSpec
+from pytest_fp8gate.config.spec import ModelSpec, SpeedSpec
+from pytest_fp8gate.engines.engine import Engine, Latency
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 
 def main() -> int:

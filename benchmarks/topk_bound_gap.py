@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pytest_fp8gate.dumps import read_logprob_dump
-from pytest_fp8gate.logprobs import LogprobRun, kl_per_position, logprobs_on_base_ids
+from pytest_fp8gate.core.dumps import read_logprob_dump
+from pytest_fp8gate.core.logprobs import LogprobRun, kl_per_position, logprobs_on_base_ids
 
 BASELINE = "bf16"
 SHIFTED = "(baseline, one position later)"

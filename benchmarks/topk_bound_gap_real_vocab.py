@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pytest_fp8gate.dumps import read_logprob_dump, write_logprob_dump
-from pytest_fp8gate.logprobs import LogprobRun, kl_per_position
+from pytest_fp8gate.core.dumps import read_logprob_dump, write_logprob_dump
+from pytest_fp8gate.core.logprobs import LogprobRun, kl_per_position
 
 CORPUS = Path(__file__).resolve().parent.parent / "pytest_fp8gate" / "assets" / "english" / "corpus.txt"
 KS = (5, 10, 20, 50, 100)
@@ -60,8 +60,8 @@ GAP_HEADER = ("| top_k | mean bound | mean exact KL | bound / exact | positions 
 
 def measure(model: str, candidates: dict[str, tuple[str, str | None]], corpus: Path, chunks: int,
             chunk_tokens: int, dumps: Path) -> None:
-    from pytest_fp8gate.engine import Engine
-    from pytest_fp8gate.spec import ModelSpec
+    from pytest_fp8gate.config.spec import ModelSpec
+    from pytest_fp8gate.engines.engine import Engine
 
     dumps.mkdir(parents=True, exist_ok=True)
     text = corpus.read_text(encoding="utf-8")
@@ -115,7 +115,7 @@ def main() -> None:
         report(args.from_dumps)
         return
     if args.model is None:
-        from pytest_fp8gate.demo.smollm2 import smollm2_checkpoint
+        from pytest_fp8gate.tools.demo.smollm2 import smollm2_checkpoint
         args.model = str(smollm2_checkpoint())
     candidates: dict[str, tuple[str, str | None]] = {}
     for item in args.candidate or [f"fp8-per-channel={args.model}:fp8_per_channel"]:

@@ -41,28 +41,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from pytest_fp8gate import rules
-from pytest_fp8gate.answers import (
+from pytest_fp8gate.config.spec import PRECISION_PASSES, GateConfig, ModelSpec
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core import rules
+from pytest_fp8gate.core.answers import (
     AnswerRecord,
     compare_answers,
     detectable_flip_rate,
     flip_rule_power,
 )
-from pytest_fp8gate.corpus import chunk_corpus
-from pytest_fp8gate.demo.planting import (
+from pytest_fp8gate.core.dumps import read_lm_eval_samples
+from pytest_fp8gate.core.logprobs import LogprobComparison, LogprobRun, compare_logprobs
+from pytest_fp8gate.engines.engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine
+from pytest_fp8gate.run.corpus import chunk_corpus
+from pytest_fp8gate.run.lm_adapter import run_task, task_manager
+from pytest_fp8gate.run.measure import BATCH_ORDER
+from pytest_fp8gate.tools.demo.planting import (
     Recipe,
     bf16_reround,
     fp8_round_trip,
     write_transformed,
 )
-from pytest_fp8gate.demo.run import DEMO_CONFIG, DEMO_MODELS, demo_config_text
-from pytest_fp8gate.dumps import read_lm_eval_samples
-from pytest_fp8gate.engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine
-from pytest_fp8gate.lm_adapter import run_task, task_manager
-from pytest_fp8gate.logprobs import LogprobComparison, LogprobRun, compare_logprobs
-from pytest_fp8gate.measure import BATCH_ORDER
-from pytest_fp8gate.spec import PRECISION_PASSES, GateConfig, ModelSpec
-from pytest_fp8gate.thresholds import load_config
+from pytest_fp8gate.tools.demo.run import DEMO_CONFIG, DEMO_MODELS, demo_config_text
 
 STRETCHES = (5e3, 1e4, 2e4, 3e4)  # 2e4 is the shipped `mild` plant
 NOISE_SIZES = (0.04, 0.08, 0.12, 0.18)  # Gaussian sigma / matrix RMS
@@ -328,7 +328,7 @@ def study_config(model: str, scratch: Path) -> GateConfig:
     """The demo's thresholds for ``model``: the embedded model's file, or SmolLM2's written for its checkpoint."""
     if model == "tiny":
         return load_config(DEMO_CONFIG)
-    from pytest_fp8gate.demo.smollm2 import smollm2_checkpoint
+    from pytest_fp8gate.tools.demo.smollm2 import smollm2_checkpoint
 
     path = scratch / "thresholds.toml"
     path.write_text(demo_config_text({}, model=smollm2_checkpoint()), encoding="utf-8")

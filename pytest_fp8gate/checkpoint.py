@@ -151,3 +151,14 @@ def vocab_size(config: dict[str, Any]) -> int | None:
     """``vocab_size`` of a model config (multimodal configs keep it in text_config)."""
     value = text_config(config).get("vocab_size") or config.get("vocab_size")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+UNKNOWN_VOCAB = 1 << 30  # a model whose config is not at hand is treated as large
+
+
+def vocab_size_hint(model: str) -> int:
+    """The vocabulary size from a local checkpoint's config.json, before any engine starts."""
+    config = Path(model) / "config.json"
+    if config.is_file():
+        return vocab_size(read_json(config)) or UNKNOWN_VOCAB
+    return UNKNOWN_VOCAB

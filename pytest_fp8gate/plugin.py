@@ -22,8 +22,8 @@ import pytest
 from . import DEFAULT_CONFIG_NAME, REQUIRE_GPU_ENV
 
 if TYPE_CHECKING:
-    from .session import GateSession
-    from .spec import GateConfig
+    from .config.spec import GateConfig
+    from .face.session import GateSession
 
 _GATE_PLUGIN = "fp8gate-gate"  # the hooks registered once the gate is asked for
 _INI_KEYS = ("fp8gate_config", "fp8gate_require_gpu", "fp8gate_artifacts", "fp8gate_baseline_cache", "fp8gate_report",
@@ -92,9 +92,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fp8gate: a rule of the FP8 deploy gate")
     if not _gate_asked_for(config):
         return
-    from . import options, refusals, report_hooks
-    from .session import CONFIG_KEY
-    from .thresholds import ConfigError, load_config
+    from . import options
+    from .config.thresholds import ConfigError, load_config
+    from .face import refusals, report_hooks
+    from .face.session import CONFIG_KEY
 
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; the gate's rule tests skip without one "
                             "unless --fp8gate-require-gpu")
@@ -113,7 +114,7 @@ def pytest_configure(config: pytest.Config) -> None:
         except ConfigError as err:
             raise pytest.UsageError(str(err)) from None
         if settings.request_deadline_s is not None:
-            from .spec import with_request_deadline
+            from .config.spec import with_request_deadline
 
             gate = with_request_deadline(gate, settings.request_deadline_s)
         config.stash[CONFIG_KEY] = gate
@@ -141,7 +142,7 @@ def fp8gate_config(pytestconfig: pytest.Config) -> GateConfig:
     """The loaded thresholds file (skips when the session has none)."""
     gate_config = None
     if pytestconfig.pluginmanager.has_plugin(_GATE_PLUGIN):
-        from .session import CONFIG_KEY
+        from .face.session import CONFIG_KEY
 
         gate_config = pytestconfig.stash[CONFIG_KEY]
     if gate_config is None:
@@ -153,8 +154,8 @@ def fp8gate_config(pytestconfig: pytest.Config) -> GateConfig:
 def fp8gate(pytestconfig: pytest.Config, fp8gate_config: GateConfig,
             tmp_path_factory: pytest.TempPathFactory) -> GateSession:
     """The gate session: ``fp8gate.measurements.baseline()``, ``.candidate(name)``, ``.gate``."""
+    from .face.session import GateSession
     from .options import SETTINGS_KEY
-    from .session import GateSession
 
     artifacts = pytestconfig.stash[SETTINGS_KEY].artifacts or tmp_path_factory.mktemp("fp8gate-artifacts")
     artifacts.mkdir(parents=True, exist_ok=True)
@@ -166,8 +167,8 @@ class _Gate:
 
     @staticmethod
     def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
-        from .collect import ThresholdsFile
-        from .session import CONFIG_KEY
+        from .face.collect import ThresholdsFile
+        from .face.session import CONFIG_KEY
 
         gate = parent.config.stash[CONFIG_KEY]
         if gate is not None and file_path == gate.path:
@@ -176,7 +177,8 @@ class _Gate:
 
     @staticmethod
     def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-        from . import hardware, refusals
+        from . import hardware
+        from .face import refusals
         from .options import SETTINGS_KEY
 
         # Only the gate's own rule tests: the user's other gpu-marked tests are theirs to skip.
@@ -192,18 +194,18 @@ class _Gate:
 
     @staticmethod
     def pytest_deselected(items: list[pytest.Item]) -> None:
-        from . import refusals
+        from .face import refusals
 
         if items:
             refusals.count_deselected(items[0].config, items)
 
     @staticmethod
     def pytest_collection_finish(session: pytest.Session) -> None:
-        from . import refusals
-        from .cases import needs_of
+        from .face import refusals
+        from .face.cases import needs_of
+        from .face.session import CONFIG_KEY, NEEDS_KEY
+        from .judge.verdict import Case
         from .options import SETTINGS_KEY
-        from .session import CONFIG_KEY, NEEDS_KEY
-        from .verdict import Case
 
         gate = session.config.stash[CONFIG_KEY]
         if gate is not None:
@@ -215,14 +217,15 @@ class _Gate:
 
     @staticmethod
     def pytest_runtest_call(item: pytest.Item) -> None:
-        from . import refusals
+        from .face import refusals
 
         refusals.record_call(item)
 
     @staticmethod
     @pytest.hookimpl(tryfirst=True)  # before fixtures, which may start an engine
     def pytest_runtest_setup(item: pytest.Item) -> None:
-        from . import hardware, refusals
+        from . import hardware
+        from .face import refusals
         from .options import SETTINGS_KEY
 
         if not (refusals.is_rule(item) and item.get_closest_marker("gpu")) \
@@ -238,8 +241,9 @@ class _Gate:
 
     @staticmethod
     def pytest_report_header(config: pytest.Config) -> list[str]:
-        from . import hardware, lifecycle, options
-        from .session import CONFIG_KEY
+        from . import hardware, options
+        from .engines import lifecycle
+        from .face.session import CONFIG_KEY
 
         settings, gate = config.stash[options.SETTINGS_KEY], config.stash[CONFIG_KEY]
         if gate is None:
@@ -259,9 +263,9 @@ class _Gate:
 
     @staticmethod
     def pytest_sessionfinish(session: pytest.Session) -> None:
-        from . import refusals
+        from .face import refusals
+        from .face.session import CONFIG_KEY
         from .options import SETTINGS_KEY
-        from .session import CONFIG_KEY
 
         gate = session.config.stash[CONFIG_KEY]
         if gate is not None:
@@ -269,8 +273,8 @@ class _Gate:
 
     @staticmethod
     def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-        from . import refusals, report_hooks
-        from .session import VERDICTS_KEY
+        from .face import refusals, report_hooks
+        from .face.session import VERDICTS_KEY
 
         complaint = refusals.complaint(config)
         if complaint:

@@ -86,7 +86,7 @@ class Knobs:
 def _tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from pytest_fp8gate.demo.embedded import embedded_assets
+    from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
     return AutoTokenizer.from_pretrained(str(embedded_assets().model))
 

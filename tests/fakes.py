@@ -2,7 +2,7 @@
 
 **Thresholds text.** ``thresholds_text`` builds the minimal file most tests start from.
 
-**The fake engine.** A stand-in for ``pytest_fp8gate.engine.Engine`` for millisecond tests:
+**The fake engine.** A stand-in for ``pytest_fp8gate.engines.engine.Engine`` for millisecond tests:
 seeded numpy logits, no vLLM.
 
 Every model shares one "architecture", bigram logits drawn from seed 0 over a
@@ -39,15 +39,15 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from pytest_fp8gate import capabilities, rules
-from pytest_fp8gate.dumps import write_lm_eval_samples, write_logprob_dump
-from pytest_fp8gate.engine import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
+from pytest_fp8gate.config.spec import GateConfig, ModelSpec
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core import capabilities, rules
+from pytest_fp8gate.core.dumps import write_lm_eval_samples, write_logprob_dump
+from pytest_fp8gate.core.logprobs import LogprobRun
+from pytest_fp8gate.engines.engine import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
 from pytest_fp8gate.errors import IdScoringUnavailable
-from pytest_fp8gate.logprobs import LogprobRun
-from pytest_fp8gate.measure import Measurements
-from pytest_fp8gate.record import BaselineRecord, ModelResult, Needs, PassResult
-from pytest_fp8gate.spec import GateConfig, ModelSpec
-from pytest_fp8gate.thresholds import load_config
+from pytest_fp8gate.run.measure import Measurements
+from pytest_fp8gate.run.record import BaselineRecord, ModelResult, Needs, PassResult
 
 BOS, EOS = 256, 257
 # The rules on generated text (issue 22): the decode phase's and the answers' form.
@@ -143,7 +143,7 @@ def _noise(seed: int) -> np.ndarray:
 def _architecture() -> np.ndarray:
     """The embedded corpus's byte-bigram log-frequencies plus seeded noise: every model knows the
     corpus a little, so the real tokens carry probability, as in a trained model."""
-    from pytest_fp8gate.demo.embedded import embedded_assets
+    from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
     data = np.frombuffer(embedded_assets().corpus.read_bytes(), dtype=np.uint8).astype(np.int64)
     counts = np.ones((VOCAB, VOCAB))
@@ -413,7 +413,7 @@ MODELS = {"good": FakeModel(logit_noise=0.004, seed=2),
 def write_gate(directory: Path, edit: Callable[[str], str] = lambda text: text, task: bool = True) -> Path:
     """THRESHOLDS (with the echo task unless not ``task``; then passed through ``edit``) over the
     embedded model's files, a corpus and the task's files, in ``directory``; the file's path."""
-    from pytest_fp8gate.demo.embedded import embedded_assets
+    from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
     (directory / "corpus.txt").write_text(embedded_assets().corpus.read_text(encoding="utf-8")[:6000])
     tasks = directory / "tasks"
@@ -534,7 +534,7 @@ def fake_baseline(measurements: Measurements, calls: list[int] | None = None,
 
 
 if __name__ == "__main__":
-    from pytest_fp8gate.baseline_cache import BaselineCache
+    from pytest_fp8gate.run.baseline_cache import BaselineCache
 
     config_path, cache_dir, artifacts, out = map(Path, sys.argv[1:5])
     cache = BaselineCache(cache_dir, update=False, announce=lambda line: None)

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from fakes import TASK, fake_baseline, make_measurements, write_recorded_gate
-from pytest_fp8gate import provenance
-from pytest_fp8gate.baseline_cache import (
+from pytest_fp8gate.engines import provenance
+from pytest_fp8gate.run.baseline_cache import (
     BaselineCache,
     CacheEntryError,
     baseline_key,
     verify,
 )
-from pytest_fp8gate.record import Needs
+from pytest_fp8gate.run.record import Needs
 
 NEEDS = Needs(probabilities=True, tasks=frozenset([TASK]))
 
@@ -248,7 +248,7 @@ def test_the_key_names_the_visible_gpus(gate: Path, tmp_path: Path, fake_gpus, m
 
 
 def test_a_lock_held_by_a_stuck_process_times_out_naming_it(tmp_path: Path):
-    from pytest_fp8gate.baseline_cache import BaselineCache
+    from pytest_fp8gate.run.baseline_cache import BaselineCache
 
     cache = BaselineCache(tmp_path / "cache", update=False, announce=lambda line: None, lock_wait_s=1.0)
     entry = tmp_path / "cache" / "bf16-0123456789abcdef"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pytest_fp8gate import capabilities
-from pytest_fp8gate.capabilities import UnsupportedEngine, detect, version_note, version_tuple
-from pytest_fp8gate.engine import Engine, IdScoringUnavailable
+from pytest_fp8gate.core import capabilities
+from pytest_fp8gate.core.capabilities import UnsupportedEngine, detect, version_note, version_tuple
+from pytest_fp8gate.engines.engine import Engine, IdScoringUnavailable
 
 # SamplingParams fields as each release declares them (the part that matters here).
 FIELDS_0_26 = ("max_tokens", "prompt_logprobs", "flat_logprobs", "detokenize")

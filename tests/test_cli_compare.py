@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytest_fp8gate import roofline
-from pytest_fp8gate.cli import main
+from pytest_fp8gate.core import roofline
 from pytest_fp8gate.errors import RooflineError
+from pytest_fp8gate.tools.cli import main
 
 
 def article_logprob_summary(base_path: Path, cand_path: Path) -> dict[str, float]:
@@ -93,8 +93,8 @@ def test_compare_logprobs_table(capsys, article_dumps):
 
 
 def test_compare_logprobs_reads_npz_with_kl(capsys, tmp_path):
-    from pytest_fp8gate.dumps import write_logprob_dump
-    from pytest_fp8gate.logprobs import LogprobRun
+    from pytest_fp8gate.core.dumps import write_logprob_dump
+    from pytest_fp8gate.core.logprobs import LogprobRun
 
     top = np.array([[1, 2], [3, 4]])
     base = LogprobRun([-0.1, -0.2], top, np.log([[0.6, 0.3], [0.5, 0.4]]))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate import cli
+from pytest_fp8gate.tools import cli
 
 
 def _strict_loads(text: str):

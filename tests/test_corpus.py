@@ -9,13 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from pytest_fp8gate import corpus
-from pytest_fp8gate.checkpoint import vocab_size
-from pytest_fp8gate.corpus import UNKNOWN_VOCAB, vocab_size_hint
-from pytest_fp8gate.engine import Engine
-from pytest_fp8gate.spec import FileCorpus, ProbabilitySpec
+from pytest_fp8gate.checkpoint import UNKNOWN_VOCAB, vocab_size, vocab_size_hint
+from pytest_fp8gate.config.spec import FileCorpus, ProbabilitySpec
+from pytest_fp8gate.engines.engine import Engine
+from pytest_fp8gate.run import corpus
 
-ASSETS = Path(corpus.__file__).parent / "assets"
+ASSETS = Path(corpus.__file__).parents[1] / "assets"
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytest_fp8gate import decode_passes
-from pytest_fp8gate.decode_phase import compare_decode
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.demo.run import cpu_kv_cache_bytes
-from pytest_fp8gate.engine import ALL_AT_ONCE, IN_PROCESS_ENV, Engine
-from pytest_fp8gate.spec import DecodeSpec, ModelSpec
+from pytest_fp8gate.config.spec import DecodeSpec, ModelSpec
+from pytest_fp8gate.core.decode_phase import compare_decode
+from pytest_fp8gate.engines.engine import ALL_AT_ONCE, IN_PROCESS_ENV, Engine
+from pytest_fp8gate.run import decode_passes
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from pytest_fp8gate import rules
-from pytest_fp8gate.answers import AnswerRecord, invalid_rate, is_invalid, length_drift
-from pytest_fp8gate.capabilities import cpu_engine_refusal
-from pytest_fp8gate.decode_phase import (
+from pytest_fp8gate.core import rules
+from pytest_fp8gate.core.answers import AnswerRecord, invalid_rate, is_invalid, length_drift
+from pytest_fp8gate.core.capabilities import cpu_engine_refusal
+from pytest_fp8gate.core.decode_phase import (
     TOPK_ACCEPTANCE,
     DecodeRun,
     acceptance_per_position,
@@ -20,8 +20,8 @@ from pytest_fp8gate.decode_phase import (
     generated_rows,
     reverse_kl_per_position,
 )
+from pytest_fp8gate.core.logprobs import TOPK_KL, LogprobRun, kl_per_position
 from pytest_fp8gate.errors import ComparisonError
-from pytest_fp8gate.logprobs import TOPK_KL, LogprobRun, kl_per_position
 
 VOCAB = 12
 

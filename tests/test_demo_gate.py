@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.capabilities import cpu_engine_refusal
-from pytest_fp8gate.cli import main as fp8gate_main
+from pytest_fp8gate.core.capabilities import cpu_engine_refusal
+from pytest_fp8gate.tools.cli import main as fp8gate_main
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
@@ -37,7 +37,7 @@ FP8_KV = "bf16-fp8-kv"
 FP8_KV_REFUSED = cpu_engine_refusal("model", None, "fp8") is not None
 # The decode phase's rules ([decode] of the demo thresholds), judged for every candidate that runs.
 DECODE = {"test_decode_same_top", "test_decode_rms_dp", "test_decode_kl", "test_decode_vs_prefill_gap"}
-# The evicted-sink plant (pytest_fp8gate/demo/sink_plant.py): the baseline to the bit inside the probability
+# The evicted-sink plant (pytest_fp8gate/tools/demo/sink_plant.py): the baseline to the bit inside the probability
 # chunks and the task prompts, flooded where the decode continuations pass position 2,000 (94 of their 398
 # positions). The decode-phase rules on the baseline's continuations fail it by orders of magnitude; its
 # own decode and prefill agree (its KV cache path is the baseline's), so the gap rule passes; every rule
@@ -90,7 +90,7 @@ MILD_MUST_PASS = {"test_rms_dp_within_limit"}
 def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
     workdir = tmp_path_factory.mktemp("demo")
     report = workdir / "report.json"
-    command = [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir),
+    command = [sys.executable, "-m", "pytest_fp8gate.tools.cli", "demo", "--workdir", str(workdir),
                "--questions", str(QUESTIONS), "--plant", "noscale", "--plant", "outlier", "--plant", "mild",
                "--plant", "evicted-sink",
                "--", "--json-report", f"--json-report-file={report}", "-p", "no:randomly"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pytest_fp8gate.atomic import atomic_open, atomic_write_bytes, atomic_write_text
-from pytest_fp8gate.dumps import (
+from pytest_fp8gate.core.dumps import (
     DumpFormatError,
     read_lm_eval_samples,
     read_logprob_dump,
@@ -15,7 +15,7 @@ from pytest_fp8gate.dumps import (
     write_lm_eval_samples,
     write_logprob_dump,
 )
-from pytest_fp8gate.logprobs import LogprobRun
+from pytest_fp8gate.core.logprobs import LogprobRun
 
 
 def full_run(n: int = 6, k: int = 3, vocab: int = 10) -> LogprobRun:

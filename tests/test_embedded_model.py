@@ -14,17 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytest_fp8gate.cli import main as fp8gate_main
-from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.cli import main as fp8gate_main
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pytest_fp8gate.demo.run import DEMO_CONFIG  # noqa: E402
-from pytest_fp8gate.engine import Engine, IdScoringUnavailable  # noqa: E402
-from pytest_fp8gate.thresholds import load_config  # noqa: E402
+from pytest_fp8gate.config.thresholds import load_config  # noqa: E402
+from pytest_fp8gate.engines.engine import Engine, IdScoringUnavailable  # noqa: E402
+from pytest_fp8gate.tools.demo.run import DEMO_CONFIG  # noqa: E402
 
 ASSETS = embedded_assets()
 # vLLM and transformers both run the BF16 weights in BF16 but with different
@@ -102,9 +102,9 @@ def test_deterministic_scheduling_runs_the_engine_core_in_process() -> None:
     # A subprocess: vLLM caches its environment for the whole process once an in-process core starts.
     script = textwrap.dedent("""
         import multiprocessing
-        from pytest_fp8gate.thresholds import load_config
-        from pytest_fp8gate.demo.run import DEMO_CONFIG
-        from pytest_fp8gate.engine import Engine
+        from pytest_fp8gate.config.thresholds import load_config
+        from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
+        from pytest_fp8gate.engines.engine import Engine
         config = load_config(DEMO_CONFIG)
         assert config.deterministic_scheduling
         Engine.prepare_process(config.deterministic_scheduling)
@@ -128,9 +128,9 @@ def test_an_engine_compiles_into_the_kept_compile_cache(tmp_path: Path) -> None:
     kept = tmp_path / "vllm-cache"
     script = textwrap.dedent(f"""
         import dataclasses
-        from pytest_fp8gate.thresholds import load_config
-        from pytest_fp8gate.demo.run import DEMO_CONFIG
-        from pytest_fp8gate.engine import Engine, applied_env
+        from pytest_fp8gate.config.thresholds import load_config
+        from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
+        from pytest_fp8gate.engines.engine import Engine, applied_env
         spec = load_config(DEMO_CONFIG).baseline
         spec = dataclasses.replace(spec, engine={{**spec.engine, "enforce_eager": False}})
         with applied_env({{"VLLM_CACHE_ROOT": {str(kept)!r}}}):
@@ -184,8 +184,8 @@ def test_multiple_choice_task_scores_through_the_gates_adapter(engine, tokenizer
     from lm_eval.api.instance import Instance
     from lm_eval.tasks import TaskManager
 
-    from pytest_fp8gate.lm_adapter import EngineLM
-    from pytest_fp8gate.measure import BATCH_ORDER
+    from pytest_fp8gate.run.lm_adapter import EngineLM
+    from pytest_fp8gate.run.measure import BATCH_ORDER
 
     lm = EngineLM(engine)
     results = simple_evaluate(
@@ -217,10 +217,10 @@ def test_each_answer_s_finish_reason_reaches_the_samples(engine, tmp_path: Path)
     # every answer ("length"); the task's own budget lets the answers end at their stop string.
     from lm_eval.tasks import TaskManager
 
-    from pytest_fp8gate.dumps import read_finish_reasons
-    from pytest_fp8gate.engine import ALL_AT_ONCE
-    from pytest_fp8gate.lm_adapter import run_task
-    from pytest_fp8gate.spec import TaskSpec
+    from pytest_fp8gate.config.spec import TaskSpec
+    from pytest_fp8gate.core.dumps import read_finish_reasons
+    from pytest_fp8gate.engines.engine import ALL_AT_ONCE
+    from pytest_fp8gate.run.lm_adapter import run_task
 
     manager = TaskManager(include_path=str(ASSETS.tasks), include_defaults=False)
     reasons = {}
@@ -249,10 +249,10 @@ def test_a_thinking_template_scores_the_answer_after_its_marker(tmp_path: Path) 
 
     from lm_eval.tasks import TaskManager
 
-    from pytest_fp8gate.dumps import FINISH_REASON, THINKING_CHARS
-    from pytest_fp8gate.engine import ALL_AT_ONCE
-    from pytest_fp8gate.lm_adapter import run_task
-    from pytest_fp8gate.spec import TaskSpec
+    from pytest_fp8gate.config.spec import TaskSpec
+    from pytest_fp8gate.core.dumps import FINISH_REASON, THINKING_CHARS
+    from pytest_fp8gate.engines.engine import ALL_AT_ONCE
+    from pytest_fp8gate.run.lm_adapter import run_task
 
     model = tmp_path / "model"
     shutil.copytree(ASSETS.model, model)

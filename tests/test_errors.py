@@ -11,8 +11,9 @@ import pytest
 
 import pytest_fp8gate
 from fakes import write_recorded_gate
-from pytest_fp8gate import errors, roofline
-from pytest_fp8gate.cli import EXIT_ERROR, EXIT_FAILURE, main
+from pytest_fp8gate import errors
+from pytest_fp8gate.core import roofline
+from pytest_fp8gate.tools.cli import EXIT_ERROR, EXIT_FAILURE, main
 
 ERRORS = [cls for _, cls in inspect.getmembers(errors, inspect.isclass)
           if issubclass(cls, BaseException) and cls.__module__ == errors.__name__]
@@ -63,9 +64,9 @@ def test_usage_errors_are_what_the_user_gave() -> None:
 ENFORCE_TEST = """
 import pytest
 from pytest_fp8gate import errors
-from pytest_fp8gate.thresholds import load_config
-from pytest_fp8gate.verdict import Case
-from pytest_fp8gate.session import GateSession
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.judge.verdict import Case
+from pytest_fp8gate.face.session import GateSession
 
 @pytest.mark.parametrize("name", {names!r})
 def test_rule(pytestconfig, tmp_path, request, monkeypatch, name):

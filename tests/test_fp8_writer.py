@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate import fp8_writer
 from pytest_fp8gate.checkpoint import read_header
-from pytest_fp8gate.cli import main as fp8gate_main
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.fp8_writer import QuantizeError, quantize_weight, write_fp8_checkpoint
-from pytest_fp8gate.roofline import estimate_from_path
-from pytest_fp8gate.shapes import SHAPES, tensor_shapes, write_random_checkpoint
+from pytest_fp8gate.core.roofline import estimate_from_path
+from pytest_fp8gate.tools import fp8_writer
+from pytest_fp8gate.tools.cli import main as fp8gate_main
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.fp8_writer import QuantizeError, quantize_weight, write_fp8_checkpoint
+from pytest_fp8gate.tools.shapes import SHAPES, tensor_shapes, write_random_checkpoint
 
 torch = pytest.importorskip("torch")
 E4M3_RELATIVE_STEP = 2.0**-3  # 3 mantissa bits: neighbours of a normal value differ by 1/8 of its power of two

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from fakes import thresholds_text
-from pytest_fp8gate.cases import needs_of
-from pytest_fp8gate.record import Needs
-from pytest_fp8gate.verdict import Case
+from pytest_fp8gate.face.cases import needs_of
+from pytest_fp8gate.judge.verdict import Case
+from pytest_fp8gate.run.record import Needs
 
 CONFIG = thresholds_text(
     '[[candidates]]\nname = "fp8-dynamic"\nmodel = "org/model-fp8"',
@@ -100,7 +100,7 @@ def test_demo_creates_its_workdir_and_collects_the_demo_rules(tmp_path) -> None:
 
     workdir = tmp_path / "not" / "yet" / "there"
     done = subprocess.run(
-        [sys.executable, "-m", "pytest_fp8gate.cli", "demo", "--workdir", str(workdir), "--checkpoints", "--",
+        [sys.executable, "-m", "pytest_fp8gate.tools.cli", "demo", "--workdir", str(workdir), "--checkpoints", "--",
          "--collect-only", "-q"],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -117,8 +117,8 @@ def test_demo_creates_its_workdir_and_collects_the_demo_rules(tmp_path) -> None:
 
 
 def test_demo_on_cuda_judges_speed_with_cuda_graphs(tmp_path) -> None:
-    from pytest_fp8gate.demo.run import demo_config_text
-    from pytest_fp8gate.thresholds import load_config
+    from pytest_fp8gate.config.thresholds import load_config
+    from pytest_fp8gate.tools.demo.run import demo_config_text
 
     path = tmp_path / "thresholds.toml"
     path.write_text(demo_config_text({}, cuda=True), encoding="utf-8")
@@ -132,9 +132,9 @@ def test_demo_on_cuda_judges_speed_with_cuda_graphs(tmp_path) -> None:
 
 def test_cpu_skips_a_candidate_it_cannot_run_with_the_engines_reason(pytester: pytest.Pytester, tmp_path) -> None:
     pytest.importorskip("torch")
-    from pytest_fp8gate.demo.embedded import embedded_assets
-    from pytest_fp8gate.demo.run import CHECKPOINT_SCHEMES, demo_config_text
-    from pytest_fp8gate.fp8_writer import write_fp8_checkpoint
+    from pytest_fp8gate.tools.demo.embedded import embedded_assets
+    from pytest_fp8gate.tools.demo.run import CHECKPOINT_SCHEMES, demo_config_text
+    from pytest_fp8gate.tools.fp8_writer import write_fp8_checkpoint
 
     # One sentence calibrates: the skip reads the checkpoint's layout, not its scales (the
     # demo's 16 pieces of 2,048 tokens take a minute on two cores).

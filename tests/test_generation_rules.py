@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 
 from fakes import GENERATION_RULES, FakeModel, fake_engine_class, write_gate
-from pytest_fp8gate import markdown_report, rules
-from pytest_fp8gate.cases import cases_for
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core import rules
 from pytest_fp8gate.errors import ConfigError
-from pytest_fp8gate.gate import Gate
-from pytest_fp8gate.measure import BATCH_ORDER, Measurements
-from pytest_fp8gate.record import Needs
-from pytest_fp8gate.thresholds import load_config
-from pytest_fp8gate.verdict import Case, Verdict
+from pytest_fp8gate.face.cases import cases_for
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.verdict import Case, Verdict
+from pytest_fp8gate.report import markdown_report
+from pytest_fp8gate.run.measure import BATCH_ORDER, Measurements
+from pytest_fp8gate.run.record import Needs
 
 # The probability check's references (llama.cpp's Q8_0 row) on generated positions too.
 DECODE = """
@@ -186,7 +187,7 @@ FAILING = {"decode_same_top": "bad", "decode_rms_dp": "bad", "decode_mean_kl": "
 
 @pytest.mark.parametrize("rule", sorted(EXPLAINED))
 def test_each_verdict_explains_itself_and_says_where_to_act(judged: dict, rule: str, capsys) -> None:
-    from pytest_fp8gate.cli import main as fp8gate_main
+    from pytest_fp8gate.tools.cli import main as fp8gate_main
 
     assert set(EXPLAINED) == GENERATION_RULES
     rows, limit, recomputed = EXPLAINED[rule]
@@ -217,7 +218,7 @@ def test_the_report_puts_the_decode_figures_beside_the_prefill_figures(judged: d
 
 def _cached_run(tmp_path: Path, run: str, lines: list[str], extra: str = DECODE) -> tuple[list, Verdict, Verdict]:
     """One session through the baseline cache in ``tmp_path / "cache"``: its engine calls and two decode verdicts."""
-    from pytest_fp8gate.baseline_cache import BaselineCache
+    from pytest_fp8gate.run.baseline_cache import BaselineCache
 
     (tmp_path / run).mkdir()
     config = load_config(write_gate(tmp_path / run, _edit(extra)))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pytest_fp8gate.errors import CheckpointError
-from pytest_fp8gate.gguf_checkpoint import MARKER, convert_gguf, llama_config, unpermute_rotary
+from pytest_fp8gate.tools.gguf_checkpoint import MARKER, convert_gguf, llama_config, unpermute_rotary
 
 FIELDS = {
     "general.architecture": "llama",

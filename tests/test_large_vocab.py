@@ -16,9 +16,9 @@ import sys
 import pytest
 
 from fakes import thresholds_text
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.demo.run import cpu_kv_cache_bytes
-from pytest_fp8gate.logprobs import TOPK_KL
+from pytest_fp8gate.core.logprobs import TOPK_KL
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
@@ -31,7 +31,7 @@ RULES = ("test_same_top_near_baseline", "test_rms_dp_within_limit", "test_ppl_ra
 def gated(tmp_path_factory: pytest.TempPathFactory) -> dict:
     workdir = tmp_path_factory.mktemp("vocab128k")
     model = workdir / "model"
-    subprocess.run([sys.executable, "-m", "pytest_fp8gate.cli", "random-checkpoint", "llama-3.1-vocab-tiny",
+    subprocess.run([sys.executable, "-m", "pytest_fp8gate.tools.cli", "random-checkpoint", "llama-3.1-vocab-tiny",
                     str(model)], check=True, capture_output=True, timeout=120)
     config = workdir / "thresholds.toml"
     config.write_text(thresholds_text(

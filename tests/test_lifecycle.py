@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fakes import checkout_env
-from pytest_fp8gate import lifecycle
+from pytest_fp8gate.engines import lifecycle
 
 psutil = pytest.importorskip("psutil")
 
@@ -26,7 +26,7 @@ psutil = pytest.importorskip("psutil")
 GATE = """
 import subprocess, sys, time
 from pathlib import Path
-from pytest_fp8gate import lifecycle
+from pytest_fp8gate.engines import lifecycle
 
 lifecycle.watch(Path(sys.argv[1]))
 before = lifecycle.starting("stand-in") if sys.argv[2] == "starting" else lifecycle.child_pids()

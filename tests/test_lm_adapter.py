@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_fp8gate.lm_adapter import DEFAULT_MAX_GEN_TOKS, generation_budget
+from pytest_fp8gate.run.lm_adapter import DEFAULT_MAX_GEN_TOKS, generation_budget
 
 
 @pytest.mark.parametrize(

@@ -14,13 +14,13 @@ import transformers  # noqa: F401
 import vllm.envs  # noqa: F401
 
 from fake_endpoint import FakeEndpoint, Knobs
-from pytest_fp8gate import rules
-from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.config.spec import CPU_MIN_THROUGHPUT_FRACTION
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core import rules
+from pytest_fp8gate.core.rules import LoadLevel, throughput_under_load
+from pytest_fp8gate.engines.load import bench_prompt_ids
 from pytest_fp8gate.errors import CacheEntryError, ConfigError
-from pytest_fp8gate.load import bench_prompt_ids
-from pytest_fp8gate.rules import LoadLevel, throughput_under_load
-from pytest_fp8gate.spec import CPU_MIN_THROUGHPUT_FRACTION
-from pytest_fp8gate.thresholds import load_config
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 # torch, transformers and vllm.envs (which the loader reads for env names) imported above, in this process:
 # pytester's in-process runs unload what they import, and torch cannot be imported a second time.
@@ -185,7 +185,7 @@ def test_a_first_token_slower_than_the_slo_fails_the_rule_by_its_setting(pyteste
 
 def test_a_cached_baseline_brings_its_levels_and_one_without_them_is_measured(pytester: pytest.Pytester,
                                                                               tmp_path: Path):
-    from pytest_fp8gate.baseline_cache import _restore
+    from pytest_fp8gate.run.baseline_cache import _restore
 
     cache = tmp_path / "cache"
     cache.mkdir()

@@ -16,11 +16,12 @@ from fakes import (
     write_pass,
     write_recorded_gate,
 )
-from pytest_fp8gate import markdown_report, plots, rules
-from pytest_fp8gate.engine import Latency
-from pytest_fp8gate.markdown_report import ReportData, first_divergence, render, write
-from pytest_fp8gate.record import ModelResult
-from pytest_fp8gate.verdict import Case, Verdict
+from pytest_fp8gate.core import rules
+from pytest_fp8gate.engines.engine import Latency
+from pytest_fp8gate.judge.verdict import Case, Verdict
+from pytest_fp8gate.report import markdown_report, plots
+from pytest_fp8gate.report.markdown_report import ReportData, first_divergence, render, write
+from pytest_fp8gate.run.record import ModelResult
 
 FLIPPED_TEXT = {3: "We add one and one so the answer is 2.", 7: "We add one and two so the answer is 7."}
 
@@ -124,9 +125,9 @@ def test_without_matplotlib_the_report_says_how_to_get_plots(data: ReportData, t
 
 JUNIT_TEST = """
 import pytest
-from pytest_fp8gate import rules
-from pytest_fp8gate.session import VERDICT_KEY
-from pytest_fp8gate.verdict import Case, Verdict
+from pytest_fp8gate.core import rules
+from pytest_fp8gate.face.session import VERDICT_KEY
+from pytest_fp8gate.judge.verdict import Case, Verdict
 
 # What GateSession.enforce does: the verdict goes on the item, then a failing rule fails the test.
 def test_flips(request):
@@ -166,10 +167,10 @@ def test_rule_numbers_land_in_junit_properties(pytester: pytest.Pytester, family
 
 
 SESSION_TEST = """
-from pytest_fp8gate import rules
-from pytest_fp8gate.thresholds import load_config
-from pytest_fp8gate.session import VERDICTS_KEY, GateSession
-from pytest_fp8gate.verdict import Case, Verdict
+from pytest_fp8gate.core import rules
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.face.session import VERDICTS_KEY, GateSession
+from pytest_fp8gate.judge.verdict import Case, Verdict
 
 def test_rule(pytestconfig, tmp_path):
     # What the fp8gate fixture and GateSession.enforce leave behind, without an engine.

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from fakes import FIELDS_0_33, MODELS, QUESTIONS, FakeModel, fake_engine_class, write_gate
-from pytest_fp8gate.engine import ALL_AT_ONCE, IN_PROCESS_ENV, BatchLayout, Engine
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core.logprobs import TOPK_KL
+from pytest_fp8gate.engines.engine import ALL_AT_ONCE, IN_PROCESS_ENV, BatchLayout, Engine
 from pytest_fp8gate.errors import GateError, MeasurementError
-from pytest_fp8gate.gate import TOPK_BOUND_SHARE, Gate, topk_gap_note
-from pytest_fp8gate.logprobs import TOPK_KL
-from pytest_fp8gate.measure import BATCH_ORDER, Measurements
-from pytest_fp8gate.record import Needs
-from pytest_fp8gate.thresholds import load_config
-from pytest_fp8gate.verdict import Case
+from pytest_fp8gate.judge.gate import TOPK_BOUND_SHARE, Gate, topk_gap_note
+from pytest_fp8gate.judge.verdict import Case
+from pytest_fp8gate.run.measure import BATCH_ORDER, Measurements
+from pytest_fp8gate.run.record import Needs
 
 PROBABILITIES = Needs(probabilities=True)
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from fakes import thresholds_text
-from pytest_fp8gate.gate import _roofline
-from pytest_fp8gate.preflight import parallelism_problem
-from pytest_fp8gate.record import ModelResult, Needs, PassResult
-from pytest_fp8gate.thresholds import load_config
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.judge.gate import _roofline
+from pytest_fp8gate.run.preflight import parallelism_problem
+from pytest_fp8gate.run.record import ModelResult, Needs, PassResult
 
 CONFIG = thresholds_text("[speed]", model="meta-llama/Llama-3.1-8B-Instruct", baseline_engine="{engine}")
 

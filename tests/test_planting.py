@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.cli import main as fp8gate_main
-from pytest_fp8gate.demo import sink_plant
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.demo.planting import (
+from pytest_fp8gate.tools.cli import main as fp8gate_main
+from pytest_fp8gate.tools.demo import sink_plant
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.demo.planting import (
     EVICTED_SINK,
     MARKER,
     PLANT_KINDS,

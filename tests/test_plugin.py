@@ -214,7 +214,7 @@ def test_missing_config_given_on_the_command_line(pytester: pytest.Pytester):
 
 STASH_PROBE = """
 from pytest_fp8gate.options import SETTINGS_KEY
-from pytest_fp8gate.session import CONFIG_KEY
+from pytest_fp8gate.face.session import CONFIG_KEY
 
 def test_stash(request):
     gate = request.config.stash.get(CONFIG_KEY, None)  # a run without the gate stashes nothing

@@ -12,16 +12,18 @@ import numpy as np
 import pytest
 
 from fakes import FakeModel, fake_engine_class, logprob_run, thresholds_text, write_gate
-from pytest_fp8gate import cli, markdown_report, rules
-from pytest_fp8gate.buckets import bucket_label, buckets_of, chunk_positions, sequence_positions
-from pytest_fp8gate.cases import cases_for
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core import rules
+from pytest_fp8gate.core.buckets import bucket_label, buckets_of, chunk_positions, sequence_positions
+from pytest_fp8gate.core.logprobs import LogprobRun, compare_logprobs
 from pytest_fp8gate.errors import ComparisonError, ConfigError, GateError
-from pytest_fp8gate.gate import Gate
-from pytest_fp8gate.logprobs import LogprobRun, compare_logprobs
-from pytest_fp8gate.measure import Measurements
-from pytest_fp8gate.record import Needs
-from pytest_fp8gate.thresholds import load_config
-from pytest_fp8gate.verdict import Case, Verdict
+from pytest_fp8gate.face.cases import cases_for
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.verdict import Case, Verdict
+from pytest_fp8gate.report import markdown_report
+from pytest_fp8gate.run.measure import Measurements
+from pytest_fp8gate.run.record import Needs
+from pytest_fp8gate.tools import cli
 
 # Chunks of 400 tokens cut at 100, 200 and 300: four buckets of about 300 positions over the 3 chunks.
 BUCKETS = "bucket_edges = [100, 200, 300]\nmin_bucket_positions = 250\n"

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.cases import needs_of
-from pytest_fp8gate.gate import Gate
-from pytest_fp8gate.measure import Measurements
-from pytest_fp8gate.verdict import Case
+from pytest_fp8gate.face.cases import needs_of
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.verdict import Case
+from pytest_fp8gate.run.measure import Measurements
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")

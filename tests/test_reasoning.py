@@ -15,21 +15,21 @@ from lm_eval.models.utils import postprocess_generated_text
 
 from fake_endpoint import FakeEndpoint, Knobs
 from fakes import THINK_END, THINKING, FakeModel, fake_engine_class, write_gate
-from pytest_fp8gate import rules
-from pytest_fp8gate.answers import final_answer, thinking_lengths
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.dumps import FINISH_REASON, THINKING_CHARS
-from pytest_fp8gate.engine import ALL_AT_ONCE
+from pytest_fp8gate.config.spec import ModelSpec, ServedSpec, TaskSpec
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core import rules
+from pytest_fp8gate.core.answers import final_answer, thinking_lengths
+from pytest_fp8gate.core.dumps import FINISH_REASON, THINKING_CHARS
+from pytest_fp8gate.engines.engine import ALL_AT_ONCE
+from pytest_fp8gate.engines.provenance import task_fingerprint
 from pytest_fp8gate.errors import ConfigError
-from pytest_fp8gate.gate import Gate
-from pytest_fp8gate.generation_verdicts import THINKING as THINKING_DETAILS
-from pytest_fp8gate.lm_adapter import EngineLM, run_task, task_manager
-from pytest_fp8gate.measure import Measurements
-from pytest_fp8gate.provenance import task_fingerprint
-from pytest_fp8gate.record import Needs
-from pytest_fp8gate.spec import ModelSpec, ServedSpec, TaskSpec
-from pytest_fp8gate.thresholds import load_config
-from pytest_fp8gate.verdict import Case
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.generation_verdicts import THINKING as THINKING_DETAILS
+from pytest_fp8gate.judge.verdict import Case
+from pytest_fp8gate.run.lm_adapter import EngineLM, run_task, task_manager
+from pytest_fp8gate.run.measure import Measurements
+from pytest_fp8gate.run.record import Needs
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 BUDGET = 128  # the echo task's max_gen_toks here: room for the baseline's thinking and answer
 MODELS = {
@@ -121,8 +121,8 @@ def test_a_build_that_thinks_longer_keeps_its_answers_length_and_reports_its_thi
 
 
 def test_the_report_prints_the_thinking_beside_the_flips(gate: Gate) -> None:
-    from pytest_fp8gate.markdown_report import ReportData, render
-    from pytest_fp8gate.record import BaselineRecord
+    from pytest_fp8gate.report.markdown_report import ReportData, render
+    from pytest_fp8gate.run.record import BaselineRecord
 
     measured = gate.measurements
     verdict = gate.evaluate(Case(rules.LENGTH_DRIFT, "long", "echo"))
@@ -172,7 +172,7 @@ def test_think_end_and_the_kwargs_are_checked_before_any_engine(tmp_path: Path) 
 
 
 def test_think_end_on_a_task_that_generates_nothing_is_refused_before_any_engine() -> None:
-    from pytest_fp8gate.lm_adapter import task_problem
+    from pytest_fp8gate.run.lm_adapter import task_problem
 
     spec = TaskSpec("choice", "fp8gate_tiny_arith_choice", "acc", include_path=Path(__file__).parent / "data" / "tasks",
                     think_end=THINK_END)
@@ -194,7 +194,7 @@ SERVED_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if a
 def test_a_served_reasoning_model_end_to_end(tmp_path: Path, enabled: bool, budget: int) -> None:
     # lm-eval's echo task through run_task and the served engine over HTTP: the template rendered here with
     # the task's kwargs, the ids sent, the fake endpoint thinking after "<think>", the answer cut after "</think>".
-    from pytest_fp8gate.served_engine import ServedEngine
+    from pytest_fp8gate.engines.served_engine import ServedEngine
 
     write_gate(tmp_path)
     task = TaskSpec("echo", "fp8gate_fake_echo", "exact_match", limit=6, filter="strict-match",

@@ -11,9 +11,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from fakes import make_measurements, write_recorded_gate
-from pytest_fp8gate import stack
-from pytest_fp8gate.provenance import kv_scale_source
-from pytest_fp8gate.spec import ModelSpec
+from pytest_fp8gate.config.spec import ModelSpec
+from pytest_fp8gate.engines import stack
+from pytest_fp8gate.engines.provenance import kv_scale_source
 from test_baseline_cache import fetch
 
 

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from fakes import FakeModel, fake_engine_class, write_gate
-from pytest_fp8gate import rules
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core import rules
 from pytest_fp8gate.errors import ConfigError
-from pytest_fp8gate.gate import Gate
-from pytest_fp8gate.measure import Measurements
-from pytest_fp8gate.record import Needs
-from pytest_fp8gate.thresholds import load_config
-from pytest_fp8gate.verdict import Case
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.verdict import Case
+from pytest_fp8gate.run.measure import Measurements
+from pytest_fp8gate.run.record import Needs
 
 MODELS = {
     "good": FakeModel(logit_noise=0.004, seed=2),  # answers as the baseline does

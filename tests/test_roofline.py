@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pytest_fp8gate import gpu_bandwidths
-from pytest_fp8gate.roofline import RooflineError, estimate_from_path
+from pytest_fp8gate.core.roofline import RooflineError, estimate_from_path
 
 GB = 1e9
 

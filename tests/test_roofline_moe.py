@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.cli import main as fp8gate_main
-from pytest_fp8gate.roofline import RooflineError, estimate_from_path, expected_active_experts
-from pytest_fp8gate.shapes import SHAPES
+from pytest_fp8gate.core.roofline import RooflineError, estimate_from_path, expected_active_experts
+from pytest_fp8gate.tools.cli import main as fp8gate_main
+from pytest_fp8gate.tools.shapes import SHAPES
 
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
@@ -170,7 +170,7 @@ def test_the_random_qwen3_moe_shape_reads_like_its_config(tmp_path: Path):
 
 
 def test_full_shape_parameter_count():
-    from pytest_fp8gate.shapes import tensor_shapes
+    from pytest_fp8gate.tools.shapes import tensor_shapes
 
     assert sum(math.prod(s) for s in tensor_shapes(SHAPES["qwen3-30b-a3b"]).values()) == 30_532_122_624
 
@@ -186,9 +186,9 @@ def test_experts_without_expert_tensors_are_refused(tmp_path: Path):
 
 
 def test_the_load_verdict_shows_neff_at_each_concurrency(tmp_path: Path):
-    from pytest_fp8gate import gate
-    from pytest_fp8gate.record import ModelResult, PassResult
-    from pytest_fp8gate.spec import LoadSpec, ModelSpec
+    from pytest_fp8gate.config.spec import LoadSpec, ModelSpec
+    from pytest_fp8gate.judge import gate
+    from pytest_fp8gate.run.record import ModelResult, PassResult
 
     moe_dir = tmp_path / "moe"
     moe_dir.mkdir()

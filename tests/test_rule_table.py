@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 
 from fakes import TASK, fake_baseline, logprob_run, make_measurements, sample_rows, write_pass, write_recorded_gate
-from pytest_fp8gate import rules, suite
-from pytest_fp8gate import thresholds as config_module
-from pytest_fp8gate.gate import Gate
-from pytest_fp8gate.logprobs import LogprobComparison
-from pytest_fp8gate.record import ModelResult
-from pytest_fp8gate.report_hooks import summary_lines
-from pytest_fp8gate.spec import DecodeLimits, LoadSpec, ProbabilityLimits, SpeculativeSpec, SpeedSpec, TaskLimits
-from pytest_fp8gate.verdict import Case
+from pytest_fp8gate.config import thresholds as config_module
+from pytest_fp8gate.config.spec import DecodeLimits, LoadSpec, ProbabilityLimits, SpeculativeSpec, SpeedSpec, TaskLimits
+from pytest_fp8gate.core import rules
+from pytest_fp8gate.core.logprobs import LogprobComparison
+from pytest_fp8gate.face import suite
+from pytest_fp8gate.face.report_hooks import summary_lines
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.verdict import Case
+from pytest_fp8gate.run.record import ModelResult
 
 
 def test_the_suite_has_one_test_per_rule() -> None:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from pytest_fp8gate.rules import (
+from pytest_fp8gate.core.rules import (
     FLIP_BINOMIAL,
     RESOLUTION_ROW,
     SHARE_OF_CEILING,

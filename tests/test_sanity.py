@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 
 from fakes import thresholds_text
-from pytest_fp8gate import cli
-from pytest_fp8gate.dumps import SAMPLES_RUN_ID, write_lm_eval_samples, write_logprob_dump
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core.dumps import SAMPLES_RUN_ID, write_lm_eval_samples, write_logprob_dump
+from pytest_fp8gate.core.logprobs import LogprobRun, check_vocabulary
 from pytest_fp8gate.errors import ComparisonError
-from pytest_fp8gate.gate import Gate, GateError
-from pytest_fp8gate.logprobs import LogprobRun, check_vocabulary
-from pytest_fp8gate.measure import MeasurementError, Measurements
-from pytest_fp8gate.record import ModelResult, Needs, PassResult
-from pytest_fp8gate.thresholds import load_config
-from pytest_fp8gate.verdict import Case
+from pytest_fp8gate.judge.gate import Gate, GateError
+from pytest_fp8gate.judge.verdict import Case
+from pytest_fp8gate.run.measure import MeasurementError, Measurements
+from pytest_fp8gate.run.record import ModelResult, Needs, PassResult
+from pytest_fp8gate.tools import cli
 
 
 def _run(**overrides: np.ndarray) -> LogprobRun:

@@ -11,7 +11,7 @@ import torch  # noqa: F401
 import transformers  # noqa: F401
 
 from fakes import MODELS, FakeEngine, fake_engine_class, write_gate
-from pytest_fp8gate.session import ENGINE_CLASS_KEY
+from pytest_fp8gate.face.session import ENGINE_CLASS_KEY
 
 # Imported above, in this process, what lm-eval imports when it runs: pytester's in-process runs
 # unload what they import, and neither datasets (pyarrow keeps its extension types) nor torch

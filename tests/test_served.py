@@ -20,11 +20,12 @@ import torch  # noqa: F401
 import transformers  # noqa: F401
 
 from fake_endpoint import FakeEndpoint, Knobs
-from pytest_fp8gate import server_process
-from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.config.served import redact_url
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.engines import server_process
+from pytest_fp8gate.engines.http_client import EndpointClient
 from pytest_fp8gate.errors import ConfigError, EndpointError
-from pytest_fp8gate.http_client import EndpointClient, redact_url
-from pytest_fp8gate.thresholds import load_config
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 # torch, transformers and lm-eval imported above, in this process: pytester's in-process runs unload what
 # they import, torch cannot be imported a second time (see test_selection.py), and an lm-eval imported
@@ -260,8 +261,8 @@ def test_a_server_that_exits_during_its_start_is_named(monkeypatch: pytest.Monke
 
 
 def test_the_served_demo_serves_each_demo_model_with_its_engine_settings(tmp_path: Path):
-    from pytest_fp8gate.demo.run import demo_config, toml_text
-    from pytest_fp8gate.demo.served_demo import served_config
+    from pytest_fp8gate.tools.demo.run import demo_config, toml_text
+    from pytest_fp8gate.tools.demo.served_demo import served_config
 
     document = demo_config({}, {})
     (tmp_path / "in-process.toml").write_text(toml_text(document))
@@ -278,9 +279,10 @@ def test_the_served_demo_serves_each_demo_model_with_its_engine_settings(tmp_pat
 
 def test_latency_and_load_come_from_streamed_tokens():
     from fake_endpoint import STREAM_TOKEN_S
-    from pytest_fp8gate import load, rules
-    from pytest_fp8gate.served_engine import ServedEngine
-    from pytest_fp8gate.spec import ModelSpec, ServedSpec
+    from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
+    from pytest_fp8gate.core import rules
+    from pytest_fp8gate.engines import load
+    from pytest_fp8gate.engines.served_engine import ServedEngine
 
     with FakeEndpoint(Knobs()) as url:
         spec = ModelSpec("bf16", MODEL, None, {}, served=ServedSpec("served-bf16", endpoint=url))
@@ -317,8 +319,8 @@ DECODE_RULES = ("test_decode_same_top", "test_decode_rms_dp", "test_decode_kl", 
 
 @pytest.mark.parametrize("full_vocab", [False, True])
 def test_decode_time_logprobs_come_keyed_by_token_id_with_the_generated_ids(full_vocab: bool):
-    from pytest_fp8gate.served_engine import ServedEngine
-    from pytest_fp8gate.spec import ModelSpec, ServedSpec
+    from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
+    from pytest_fp8gate.engines.served_engine import ServedEngine
 
     want = -1 if full_vocab else 4
     with FakeEndpoint(Knobs(max_logprobs=want, decode_skew=0.5)) as url:
@@ -376,7 +378,7 @@ print("child", child.pid, flush=True)
 time.sleep(600)
 """
 GATE_WITH_SERVER = """import sys, time
-from pytest_fp8gate import server_process
+from pytest_fp8gate.engines import server_process
 server_process.VLLM_CLI = (sys.executable, sys.argv[1])
 server = server_process.ManagedServer("bf16", ["serve", "model"], max_logprobs=1)
 print("server", server.process.pid, server.log_path, flush=True)
@@ -410,9 +412,9 @@ def test_a_stopped_gate_leaves_no_server_process_within_20_s(tmp_path: Path, sig
 
 
 def test_the_baseline_cache_is_keyed_on_the_whole_serve_command_and_never_holds_env_values(tmp_path: Path):
-    from pytest_fp8gate.baseline_cache import baseline_key
-    from pytest_fp8gate.record import Needs
-    from pytest_fp8gate.served_engine import cache_key
+    from pytest_fp8gate.engines.served_engine import cache_key
+    from pytest_fp8gate.run.baseline_cache import baseline_key
+    from pytest_fp8gate.run.record import Needs
 
     def key(extra: str) -> dict:
         config = load_config(_config(tmp_path, extra))

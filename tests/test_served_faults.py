@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from fake_endpoint import FakeEndpoint, Knobs
-from pytest_fp8gate import lifecycle, server_process
+from pytest_fp8gate.engines import lifecycle, server_process
 from pytest_fp8gate.errors import ConfigError, EndpointError
 from test_served import MODEL, PROBABILITY_RULES, _config, _external
 
@@ -82,8 +82,8 @@ def _gate(pytester: pytest.Pytester, base: Knobs, cand: Knobs, *args: str, base_
 # ---- the deadline's settings ---------------------------------------------------------
 
 def test_the_deadline_is_a_served_model_s_setting_and_the_option_sets_every_one(tmp_path: Path):
-    from pytest_fp8gate.spec import with_request_deadline
-    from pytest_fp8gate.thresholds import load_config
+    from pytest_fp8gate.config.spec import with_request_deadline
+    from pytest_fp8gate.config.thresholds import load_config
 
     path = _config(tmp_path, _keyed("http://127.0.0.1:1") + "\nrequest_deadline_s = 30",
                    _keyed("http://127.0.0.1:2", "served-fp8"))
@@ -117,8 +117,8 @@ TLS = Path(__file__).parent / "data" / "tls"
 def test_the_deadline_bounds_the_whole_request_however_its_bytes_arrive(monkeypatch: pytest.MonkeyPatch, tls: bool):
     """A per-read timeout of 1 s never fires on a byte every 0.3 s; the whole-request deadline does, over TLS
     too, and a prompt answer is read in full."""
+    from pytest_fp8gate.engines.http_client import EndpointClient
     from pytest_fp8gate.errors import EndpointTimeout
-    from pytest_fp8gate.http_client import EndpointClient
 
     monkeypatch.setenv("SSL_CERT_FILE", str(TLS / "cert.pem"))  # the client verifies the fake's certificate
     files = (str(TLS / "cert.pem"), str(TLS / "key.pem")) if tls else None
@@ -135,9 +135,9 @@ def test_the_deadline_bounds_the_whole_request_however_its_bytes_arrive(monkeypa
 
 def test_a_hung_server_costs_one_deadline_not_one_per_request():
     """40 chunks, 32 in flight, none answered: the first deadline aborts those in flight, the rest never go out."""
+    from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
+    from pytest_fp8gate.engines.served_engine import MAX_IN_FLIGHT, ServedEngine
     from pytest_fp8gate.errors import EndpointTimeout
-    from pytest_fp8gate.served_engine import MAX_IN_FLIGHT, ServedEngine
-    from pytest_fp8gate.spec import ModelSpec, ServedSpec
 
     fake = FakeEndpoint(Knobs(hang_after=2))
     with fake as url:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from fake_endpoint import FakeEndpoint, Knobs
-from pytest_fp8gate import http_client
+from pytest_fp8gate.engines import http_client
+from pytest_fp8gate.engines.http_client import EndpointClient, RequestClock
+from pytest_fp8gate.engines.served_engine import _rows_to_arrays
 from pytest_fp8gate.errors import EndpointError
-from pytest_fp8gate.http_client import EndpointClient, RequestClock
-from pytest_fp8gate.served_engine import _rows_to_arrays
 
 TOP = [(7, -0.1), (3, -1.0), (9, -2.0)]  # the ranked top 3 of every position below
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from fakes import checkout_env
-from pytest_fp8gate import lifecycle
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.demo.run import cpu_kv_cache_bytes
-from pytest_fp8gate.engine import IN_PROCESS_ENV
+from pytest_fp8gate.engines import lifecycle
+from pytest_fp8gate.engines.engine import IN_PROCESS_ENV
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")

@@ -29,8 +29,8 @@ RULES = {"test_kl_within_limit", "test_same_top_near_baseline", "test_accuracy_w
 
 @pytest.fixture(scope="module")
 def gated(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from pytest_fp8gate.demo.run import demo_config, toml_text
-    from pytest_fp8gate.demo.smollm2 import smollm2_checkpoint
+    from pytest_fp8gate.tools.demo.run import demo_config, toml_text
+    from pytest_fp8gate.tools.demo.smollm2 import smollm2_checkpoint
 
     workdir = tmp_path_factory.mktemp("smollm2")
     model = smollm2_checkpoint(workdir / "cache")
@@ -52,9 +52,9 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_the_conversion_is_an_ordinary_bf16_llama_keyed_by_the_ggufs_sha256(gated: dict) -> None:
-    from pytest_fp8gate.demo.smollm2 import smollm2_gguf
-    from pytest_fp8gate.gguf_checkpoint import MARKER
-    from pytest_fp8gate.provenance import file_sha256
+    from pytest_fp8gate.engines.provenance import file_sha256
+    from pytest_fp8gate.tools.demo.smollm2 import smollm2_gguf
+    from pytest_fp8gate.tools.gguf_checkpoint import MARKER
 
     model: Path = gated["model"]
     config = json.loads((model / "config.json").read_text())

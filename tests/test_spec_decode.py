@@ -14,11 +14,11 @@ import transformers  # noqa: F401
 import vllm.envs  # noqa: F401
 
 from fake_endpoint import FakeEndpoint, Knobs
-from pytest_fp8gate import rules, spec_decode
-from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core import rules, spec_decode
+from pytest_fp8gate.core.spec_decode import Reading, SpecDecodeCounts, Window
 from pytest_fp8gate.errors import CacheEntryError, ConfigError
-from pytest_fp8gate.spec_decode import Reading, SpecDecodeCounts, Window
-from pytest_fp8gate.thresholds import load_config
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 # torch, transformers and vllm.envs imported above, in this process: pytester's in-process runs unload what
 # they import, and torch cannot be imported a second time (see test_load.py).
@@ -217,7 +217,7 @@ def test_too_few_drafts_or_a_baseline_that_accepts_none_is_no_evidence(pytester:
 
 
 def test_a_cached_baseline_brings_its_counters(pytester: pytest.Pytester, tmp_path: Path):
-    from pytest_fp8gate.baseline_cache import _restore
+    from pytest_fp8gate.run.baseline_cache import _restore
 
     cache = tmp_path / "cache"
     cache.mkdir()

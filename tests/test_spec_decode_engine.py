@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.demo import planting
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.demo.run import cpu_kv_cache_bytes
+from pytest_fp8gate.tools.demo import planting
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.demo.run import demo_config_text
-from pytest_fp8gate.engine import Latency, timed_latency
+from pytest_fp8gate.config.thresholds import ConfigError, load_config
+from pytest_fp8gate.core.roofline import decode_context_tokens, estimate_from_path
+from pytest_fp8gate.engines.engine import Latency, timed_latency
 from pytest_fp8gate.errors import GateError
-from pytest_fp8gate.gate import Gate
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.verdict import Case
 from pytest_fp8gate.options import display_path
-from pytest_fp8gate.record import ModelResult, PassResult
-from pytest_fp8gate.roofline import decode_context_tokens, estimate_from_path
-from pytest_fp8gate.thresholds import ConfigError, load_config
-from pytest_fp8gate.verdict import Case
+from pytest_fp8gate.run.record import ModelResult, PassResult
+from pytest_fp8gate.tools.demo.run import demo_config_text
 
 
 class _Measured:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from fakes import checkout_env
-from pytest_fp8gate import stack
+from pytest_fp8gate.engines import stack
 
 
 def _class(name: str, **attrs: object) -> type:
@@ -89,10 +89,10 @@ import json, os, sys
 from dataclasses import replace
 from pathlib import Path
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from pytest_fp8gate.thresholds import load_config
-from pytest_fp8gate.demo.run import DEMO_CONFIG
-from pytest_fp8gate.engine import Engine
-from pytest_fp8gate.fp8_writer import write_fp8_checkpoint
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
+from pytest_fp8gate.engines.engine import Engine
+from pytest_fp8gate.tools.fp8_writer import write_fp8_checkpoint
 
 if __name__ == "__main__":
     config = load_config(DEMO_CONFIG)

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from pytest_fp8gate.answers import (
+from pytest_fp8gate.core.answers import (
     AnswerRecord,
     compare_answers,
     detectable_flip_rate,
@@ -13,9 +13,9 @@ from pytest_fp8gate.answers import (
     flip_rule_power,
     mcnemar_exact_p,
 )
+from pytest_fp8gate.core.logprobs import PERCENTILES, TOPK_KL, LogprobRun, compare_logprobs, kl_per_position
+from pytest_fp8gate.core.rules import BY_NAME
 from pytest_fp8gate.errors import ComparisonError
-from pytest_fp8gate.logprobs import PERCENTILES, TOPK_KL, LogprobRun, compare_logprobs, kl_per_position
-from pytest_fp8gate.rules import BY_NAME
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from fakes import thresholds_text
-from pytest_fp8gate.spec import (
+from pytest_fp8gate.config.spec import (
     WIKITEXT_2,
     DatasetCorpus,
     FileCorpus,
@@ -15,7 +15,7 @@ from pytest_fp8gate.spec import (
     SpeedSpec,
     TaskLimits,
 )
-from pytest_fp8gate.thresholds import ConfigError, load_config
+from pytest_fp8gate.config.thresholds import ConfigError, load_config
 
 REPO_THRESHOLDS = Path(__file__).parent.parent / "thresholds.toml"
 

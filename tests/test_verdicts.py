@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from fakes import GENERATION_RULES, MODELS, fake_engine_class, write_gate
-from pytest_fp8gate import cases, hardware, suite
-from pytest_fp8gate.gate import Gate
-from pytest_fp8gate.measure import Measurements
-from pytest_fp8gate.rules import BY_TEST, RECOVERY, TRUNCATION
-from pytest_fp8gate.thresholds import load_config
-from pytest_fp8gate.verdict import Verdict
+from pytest_fp8gate import hardware
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core.rules import BY_TEST, RECOVERY, TRUNCATION
+from pytest_fp8gate.face import cases, suite
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.verdict import Verdict
+from pytest_fp8gate.run.measure import Measurements
 
 # The rules on generated text are judged and explained in tests/test_generation_rules.py, on models
 # made to fail each of them (a broken KV cache, answers without a parsable answer); the load rule, which needs

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pytest_fp8gate.vllm_names import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from pytest_fp8gate.config.vllm_names import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 pytestmark = pytest.mark.engine
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from fakes import FakeModel, fake_engine_class, write_gate
-from pytest_fp8gate import cases, rules
-from pytest_fp8gate.gate import Gate
-from pytest_fp8gate.logprobs import TOPK_KL
-from pytest_fp8gate.measure import Measurements
-from pytest_fp8gate.thresholds import load_config
+from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.core import rules
+from pytest_fp8gate.core.logprobs import TOPK_KL
+from pytest_fp8gate.face import cases
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.run.measure import Measurements
 
 # The fake architecture on ids shifted by half the vocabulary: no top-k id in common with the baseline.
 OTHER = FakeModel(id_shift=129, seed=2)

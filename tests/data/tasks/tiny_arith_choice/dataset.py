@@ -4,7 +4,7 @@ import json
 
 import datasets
 
-from pytest_fp8gate.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 
 def _choice_doc(index: int, row: dict) -> dict:

@@ -1,0 +1,1 @@
+"""The thresholds.toml schema, its loader and its checks: no engine module."""

@@ -1,0 +1,1 @@
+"""The statistics and the rule table: pure numpy, no engine, no config."""

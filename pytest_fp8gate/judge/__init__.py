@@ -1,0 +1,1 @@
+"""Verdicts from the record: comparisons computed once, the rules applied."""

@@ -1,0 +1,275 @@
+"""Each candidate's comparisons with the baseline and its noise floors, computed once.
+
+The verdicts, the markdown report and the plots read the same objects: the
+log-prob comparison of a candidate (and of each noise pass) against the
+baseline's main pass, per task the answer comparison and its floors, and the
+decode phase's comparisons on generated positions (issue 22).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Protocol
+
+import numpy as np
+
+from ..config.spec import GateConfig, TaskSpec
+from ..core.answers import (
+    AnswerComparison,
+    AnswerRecord,
+    Thinking,
+    compare_answers,
+    invalid_rate,
+    length_drift,
+    thinking_lengths,
+)
+from ..core.buckets import chunk_positions
+from ..core.decode_phase import DecodeComparison, DecodeRun, compare_decode
+from ..core.dumps import CUT_BY_LENGTH, read_finish_reasons, read_lm_eval_generations, read_thinking_chars
+from ..core.logprobs import LogprobComparison, LogprobRun, compare_logprobs
+from ..errors import ComparisonError, DumpFormatError, GateError
+from ..run.record import BaselineRecord, DecodeResult, ModelResult, PassResult
+
+# The floor of a decode-phase figure: an identical candidate would still show the baseline's own gap.
+BASELINE_GAP = "baseline decode vs prefill"
+
+
+class Measured(Protocol):
+    """What the comparisons read: ``measure.Measurements``, or a record an earlier run left."""
+
+    id_scoring_refusal: str | None  # why the engine could not score the baseline's top-k ids, if it could not
+    # The decode phase by model name (the baseline's and each measured candidate's), the baseline noise
+    # passes' prefills of the baseline's continuations by pass label, and [noise] candidate_passes by
+    # candidate and label. A candidate's entries exist once ``candidate(name)`` has returned.
+    decode: dict[str, DecodeResult]
+    decode_floor: dict[str, LogprobRun]
+    candidate_noise: dict[str, dict[str, PassResult]]
+
+    def baseline(self) -> ModelResult: ...
+
+    def candidate(self, name: str) -> ModelResult: ...
+
+    def noise(self) -> dict[str, PassResult]: ...
+
+
+class Recorded:
+    """A baseline record and the candidates measured with it (what the report is handed)."""
+
+    def __init__(self, baseline: BaselineRecord, candidates: dict[str, ModelResult]) -> None:
+        self.record, self.candidates = baseline, candidates
+        self.id_scoring_refusal = baseline.id_scoring_refusal
+        # The baseline record does not hold the decode phase (the cache does not store it yet);
+        # the report reads its figures from the verdicts.
+        self.decode: dict[str, DecodeResult] = {}
+        self.decode_floor: dict[str, LogprobRun] = {}
+        self.candidate_noise: dict[str, dict[str, PassResult]] = {}
+
+    def baseline(self) -> ModelResult:
+        return self.record.result
+
+    def candidate(self, name: str) -> ModelResult:
+        return self.candidates[name]
+
+    def noise(self) -> dict[str, PassResult]:
+        return self.record.noise
+
+
+class Comparisons:
+    """Memoised comparisons of the candidates with the baseline (a failed one is not kept)."""
+
+    def __init__(self, config: GateConfig, measured: Measured) -> None:
+        self.config = config
+        self.measured = measured
+        self._logprobs: dict[str, LogprobComparison] = {}
+        self._logprob_floors: dict[str, LogprobComparison] | None = None
+        self._baseline_answers: dict[str, list[AnswerRecord]] = {}
+        self._answers: dict[tuple[str, str], AnswerComparison] = {}
+        self._answer_floors: dict[str, dict[str, AnswerComparison]] = {}
+        self._decode: dict[str, DecodeComparison] = {}
+        self._decode_floors: dict[str, DecodeComparison] | None = None
+        self._decode_gaps: dict[str, DecodeComparison] = {}
+        self._candidate_noise: dict[str, dict[str, LogprobComparison]] = {}
+        self._generations: dict[tuple[str, str], dict[Hashable, str]] = {}  # (pass key, task) -> doc -> text
+
+    def logprobs(self, candidate: str) -> LogprobComparison:
+        """The candidate's main pass against the baseline's, token by token."""
+        if candidate not in self._logprobs:
+            base_result, cand_result = self.measured.baseline(), self.measured.candidate(candidate)
+            if base_result.vocab_size != cand_result.vocab_size:
+                raise GateError(f"candidate {candidate}: vocabulary of {cand_result.vocab_size} tokens differs from "
+                                f"baseline {self.config.baseline.name}'s {base_result.vocab_size}; "
+                                "the probability rules compare the two token by token")
+            base, cand = base_result.main.logprobs, cand_result.main.logprobs
+            assert base is not None and cand is not None
+            try:
+                self._logprobs[candidate] = self._by_position(base, cand)
+            except ComparisonError as err:
+                raise GateError(f"candidate {candidate} vs baseline {self.config.baseline.name}: {err}") from None
+        return self._logprobs[candidate]
+
+    def logprob_floors(self) -> dict[str, LogprobComparison]:
+        """Each noise pass that scored the corpus against the baseline's main pass."""
+        if self._logprob_floors is None:
+            base = self.measured.baseline().main.logprobs
+            assert base is not None
+            self._logprob_floors = {label: self._by_position(base, run.logprobs)
+                                    for label, run in self.measured.noise().items() if run.logprobs is not None}
+        return self._logprob_floors
+
+    def _by_position(self, base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
+        """``compare_logprobs`` with the figures per position bucket of the corpus chunks (issue 34)."""
+        spec = self.config.probabilities
+        assert spec is not None  # a probability pass exists only where [probabilities] is set
+        return compare_logprobs(base, cand, self._positions(base.positions), spec.bucket_edges)
+
+    def _positions(self, rows: int) -> np.ndarray:
+        spec = self.config.probabilities
+        assert spec is not None
+        try:
+            return chunk_positions(rows, spec.chunk_tokens)
+        except ComparisonError as err:
+            raise GateError(f"{self.config.path}: probabilities.chunk_tokens: the record's probability pass "
+                            f"does not fit it: {err}") from None
+
+    def baseline_answers(self, task: TaskSpec) -> list[AnswerRecord]:
+        if task.name not in self._baseline_answers:
+            self._baseline_answers[task.name] = self._read(self.measured.baseline().main, task)
+        return self._baseline_answers[task.name]
+
+    def answers(self, candidate: str, task: TaskSpec) -> tuple[AnswerComparison, dict[str, AnswerComparison]]:
+        """The candidate's answers on ``task`` against the baseline's, and each noise pass's."""
+        if (candidate, task.name) not in self._answers:
+            base = self.baseline_answers(task)
+            cand = self._read(self.measured.candidate(candidate).main, task)
+            self._answers[candidate, task.name] = compare_answers(base, cand)
+        if task.name not in self._answer_floors:
+            base = self.baseline_answers(task)
+            self._answer_floors[task.name] = {label: compare_answers(base, self._read(run, task))
+                                              for label, run in self.measured.noise().items()
+                                              if task.name in run.samples}
+        return self._answers[candidate, task.name], self._answer_floors[task.name]
+
+    def _read(self, run: PassResult, task: TaskSpec) -> list[AnswerRecord]:
+        try:
+            return run.answers(task)
+        except DumpFormatError as err:  # the samples exist; the configured filter or metric does not fit them
+            index = self.config.tasks.index(task)
+            raise GateError(f"{self.config.path}: tasks[{index}] (filter {task.filter!r}, metric {task.metric!r}): "
+                            f"lm-eval's samples do not have it: {err.expected} (in {err.path})") from None
+
+    def invalid_rates(self, candidate: str, task: TaskSpec) -> tuple[float, float, dict[str, float], int]:
+        """The share of unparsable answers: the baseline's, the candidate's, each noise pass's, and the
+        candidate's question count."""
+        base = self.baseline_answers(task)
+        cand = self._read(self.measured.candidate(candidate).main, task)
+        floors = {label: invalid_rate(self._read(run, task))
+                  for label, run in self.measured.noise().items() if task.name in run.samples}
+        return invalid_rate(base), invalid_rate(cand), floors, len(cand)
+
+    def truncations(self, candidate: str, task: TaskSpec) -> tuple[set[Hashable], set[Hashable],
+                                                                    dict[str, set[Hashable]], int]:
+        """The questions whose answer the token budget ended (finish_reason "length"): the baseline's,
+        the candidate's, each noise pass's, and the number of questions."""
+        base = self._cut("baseline", self.measured.baseline().main, task)
+        cand = self._cut(f"candidate {candidate}", self.measured.candidate(candidate).main, task)
+        floors = {label: self._cut(f"noise pass {label}", run, task)[0]
+                  for label, run in self.measured.noise().items() if task.name in run.samples}
+        return base[0], cand[0], floors, cand[1]
+
+    def _cut(self, who: str, run: PassResult, task: TaskSpec) -> tuple[set[Hashable], int]:
+        path = run.samples[task.name]
+        try:
+            reasons = read_finish_reasons(path, task.filter)
+        except DumpFormatError as err:
+            raise GateError(f"{who} on {task.name}: cannot count answers cut by length: {err}") from None
+        unknown = [doc for doc, reason in reasons.items() if reason is None or reason == [None]]
+        if unknown:
+            raise GateError(f"{who} on {task.name}: the engine reported no finish_reason for {len(unknown)} of "
+                            f"{len(reasons)} answers (doc {unknown[0]!r}, {path}): cannot count answers cut by length")
+        cut = {doc for doc, reason in reasons.items()
+               if reason == CUT_BY_LENGTH or (isinstance(reason, list) and CUT_BY_LENGTH in reason)}
+        return cut, len(reasons)
+
+    def length_drifts(self, candidate: str, task: TaskSpec) -> tuple[float, dict[str, float]]:
+        """The candidate's mean output-length drift against the baseline, and each noise pass's."""
+        base = self._texts("baseline", self.measured.baseline().main, task)
+        cand = self._texts(f"candidate {candidate}", self.measured.candidate(candidate).main, task)
+        floors = {label: length_drift(base, self._texts(f"noise {label}", run, task))
+                  for label, run in self.measured.noise().items() if task.name in run.samples}
+        return length_drift(base, cand), floors
+
+    def thinking(self, candidate: str, task: TaskSpec) -> dict[str, Thinking]:
+        """A task with think_end: the thinking lengths of the baseline, the candidate and each noise pass."""
+        runs = {"baseline": self.measured.baseline().main,
+                f"candidate {candidate}": self.measured.candidate(candidate).main}
+        runs.update({f"noise pass {label}": run for label, run in self.measured.noise().items()
+                     if task.name in run.samples})
+        found = {}
+        for who, run in runs.items():
+            try:
+                found[who] = thinking_lengths(read_thinking_chars(run.samples[task.name], task.filter).values())
+            except DumpFormatError as err:
+                raise GateError(f"{who} on {task.name}: cannot report the thinking before think_end: {err}") from None
+        return found
+
+    def _texts(self, key: str, run: PassResult, task: TaskSpec) -> dict[Hashable, str]:
+        if (key, task.name) not in self._generations:
+            self._generations[key, task.name] = read_lm_eval_generations(run.samples[task.name], task.filter)
+        return self._generations[key, task.name]
+
+    # ---- the decode phase (issue 22) -----------------------------------------
+
+    def decode(self, candidate: str) -> tuple[DecodeComparison, dict[str, DecodeComparison]]:
+        """The candidate's prefill of the baseline's continuations against the baseline's decode-time
+        log-probs, and the same comparison for each floor (the baseline's own prefill, its noise passes)."""
+        if candidate not in self._decode:
+            self.measured.candidate(candidate)
+            on_baseline = self.measured.decode[candidate].on_baseline
+            assert on_baseline is not None  # a candidate's decode phase always prefills the baseline's ids
+            self._decode[candidate] = self._compare(f"candidate {candidate} on the baseline's continuations",
+                                                    self._baseline_decode().own, on_baseline)
+        if self._decode_floors is None:
+            own = self._baseline_decode().own
+            floors = {BASELINE_GAP: self.baseline_gap()}
+            floors.update({label: self._compare(f"noise pass {label}", own, run)
+                           for label, run in self.measured.decode_floor.items()})
+            self._decode_floors = floors
+        return self._decode[candidate], self._decode_floors
+
+    def decode_gap(self, candidate: str) -> DecodeComparison:
+        """The candidate's decode-time log-probs against its own prefill of the same ids."""
+        if candidate not in self._decode_gaps:
+            self.measured.candidate(candidate)
+            result = self.measured.decode[candidate]
+            self._decode_gaps[candidate] = self._compare(f"candidate {candidate} decode vs prefill", result.own,
+                                                         result.own_prefill)
+        return self._decode_gaps[candidate]
+
+    def baseline_gap(self) -> DecodeComparison:
+        """The baseline's decode against its own prefill: the floor of every decode-phase figure."""
+        name = self.config.baseline.name
+        if name not in self._decode_gaps:
+            result = self._baseline_decode()
+            self._decode_gaps[name] = self._compare("baseline decode vs prefill", result.own, result.own_prefill)
+        return self._decode_gaps[name]
+
+    def _baseline_decode(self) -> DecodeResult:
+        self.measured.baseline()
+        return self.measured.decode[self.config.baseline.name]
+
+    def _compare(self, what: str, base: DecodeRun, cand: LogprobRun) -> DecodeComparison:
+        spec = self.config.probabilities
+        try:
+            return compare_decode(base, cand, spec.bucket_edges if spec is not None else None)
+        except ComparisonError as err:
+            raise GateError(f"{what}: {err}") from None
+
+    def candidate_noise(self, candidate: str) -> dict[str, LogprobComparison]:
+        """[noise] candidate_passes: the candidate's main pass against its own re-run, by pass label."""
+        if candidate not in self._candidate_noise:
+            main = self.measured.candidate(candidate).main.logprobs
+            own = self.measured.candidate_noise.get(candidate, {})
+            self._candidate_noise[candidate] = {label: compare_logprobs(main, run.logprobs)
+                                                for label, run in own.items()
+                                                if main is not None and run.logprobs is not None}
+        return self._candidate_noise[candidate]

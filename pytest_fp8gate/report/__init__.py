@@ -1,0 +1,1 @@
+"""The markdown report and its plots, read from verdicts."""

@@ -1,0 +1,1 @@
+"""Measuring: one engine per model, its passes, the record and the baseline cache."""

@@ -1,0 +1,443 @@
+"""A baseline measured once and reused across runs, keyed by everything that changes its numbers.
+
+An entry is a directory ``<baseline name>-<key hash>/`` holding the baseline's
+artifacts (logprob dumps, lm-eval samples and results of every pass, engine
+facts, provenance), ``record.json`` (what ``Measurements`` restores from them),
+``key.json`` and last ``manifest.json`` (size and sha256 of every other file).
+It is built in a staging directory and renamed into place, so a reader sees a
+whole entry or none; one that fails its manifest or key is named and measured
+again, never reused. ``<entry>.lock`` (flock) serialises the runs that want one
+key: the second waits for the first's entry instead of measuring it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..atomic import atomic_open, atomic_write_text, fsync_directory
+from ..config.spec import GateConfig, LoadSpec, ModelSpec
+from ..core.decode_phase import DecodeRun
+from ..core.dumps import read_logprob_dump
+from ..core.logprobs import LogprobRun
+from ..core.rules import LoadLevel
+from ..core.spec_decode import Window
+from ..engines import provenance, stack
+from ..engines.engine import Latency
+from ..errors import CacheEntryError
+from .record import DECODE_DUMP, FLOOR_DUMP, PREFILL_DUMP, BaselineRecord, DecodeResult, ModelResult, Needs, PassResult
+
+FORMAT = 1  # bump when the entry layout or the meaning of a stored number changes
+MANIFEST = "manifest.json"
+RECORD = "record.json"
+KEY = "key.json"
+# How long a run waits for another that measures the same baseline: longer than any baseline
+# measurement takes (an 8B model's tasks on one GPU: well under an hour), short of a CI job's limit.
+LOCK_WAIT_S = 2 * 3600.0
+LOCK_POLL_S = 0.5
+
+
+# What of [speed] is measured, not the limit or the bandwidth it is judged against.
+SPEED_KEY = ("input_len", "output_len", "batch_size", "warmup_iters", "iters", "min_iters", "target_rel_se")
+
+
+def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, Any],
+                 model: dict[str, Any]) -> dict[str, Any]:
+    """Everything that changes the baseline's numbers, as one JSON document."""
+    environment = provenance.environment()
+    devices = {k: v for k, v in environment["devices"].items() if k != "cuda_visible_devices"}
+    probabilities = config.probabilities
+    speed = config.speed
+    key = {
+        "format": FORMAT,
+        "model": _portable_model(model),
+        # An env table joins the key only when there is one, so that existing entries keep theirs;
+        # its values hashed, as they may hold secrets (HF_TOKEN) and the key is written to disk.
+        "engine": {"kwargs": config.baseline.engine, **engine_settings,
+                   **({"env_sha256": _env_hash(config.baseline.env)} if config.baseline.env else {})},
+        "versions": environment["versions"],
+        "devices": devices,
+        # What picks the kernels and backends (stack.py): another one measures the baseline again.
+        "stack": stack.selection_inputs(),
+        "noise_passes": list(config.noise.passes),
+        "needs": {"probabilities": needs.probabilities, "tasks": sorted(needs.tasks), "speed": needs.speed},
+        "probabilities": None if probabilities is None or not needs.probabilities else {
+            "corpus": _without(provenance.corpus_fingerprint(probabilities.corpus), "file"),
+            "chunks": probabilities.chunks,
+            "chunk_tokens": probabilities.chunk_tokens, "top_k": probabilities.top_k,
+        },
+        "tasks": [_without(provenance.task_fingerprint(t), "include_path") for t in config.tasks
+                  if t.name in needs.tasks],
+        "speed": {name: getattr(speed, name) for name in SPEED_KEY} if speed is not None and needs.speed else None,
+        # Like env: only when measured, so that entries without load keep their keys.
+        **({"load": _load_key(config.load)} if config.load is not None and needs.load else {}),
+    }
+    if needs.speculative:  # as decode: only then, so existing entries keep their keys
+        key["needs"]["speculative"] = True
+    if needs.decode and config.decode is not None:  # joins the key only then, so existing entries keep theirs
+        key["needs"]["decode"] = True
+        key["decode"] = {name: getattr(config.decode, name) for name in ("prompts", "prompt_tokens", "new_tokens")}
+    return key
+
+
+def _load_key(load: LoadSpec) -> dict[str, Any]:
+    """What of [load] is measured (not its limits): the levels, their requests and lengths."""
+    return {"concurrencies": list(load.concurrencies), "requests": [load.requests_at(c) for c in load.concurrencies],
+            "input_len": load.input_len, "output_len": load.output_len}
+
+
+# Local files are keyed by their content, not where they are, so that a cache (or a committed
+# directory) serves checkouts at other paths.
+def _without(fingerprint: dict[str, Any], name: str) -> dict[str, Any]:
+    return {k: v for k, v in fingerprint.items() if k != name}
+
+
+def _env_hash(env: Mapping[str, str]) -> str:
+    return hashlib.sha256(json.dumps(sorted(env.items())).encode()).hexdigest()
+
+
+def _portable_model(model: dict[str, Any]) -> dict[str, Any]:
+    if model.get("weights_sha256") and Path(model["model"]).is_dir():
+        return dict(model, model=f"local checkpoint {Path(model['model']).name}")
+    return model
+
+
+def key_digest(key: dict[str, Any]) -> str:
+    return hashlib.sha256(provenance.as_json(key).encode()).hexdigest()
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    items: Iterable[tuple[Any, Any]]
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return {prefix: value}
+    flat: dict[str, Any] = {}
+    for name, item in items:
+        flat.update(_flatten(item, f"{prefix}.{name}" if prefix else str(name)))
+    return flat
+
+
+def key_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ, e.g. ``versions.vllm``, ``tasks.0.files_sha256``."""
+    a, b = _flatten(json.loads(provenance.as_json(stored))), _flatten(json.loads(provenance.as_json(wanted)))
+    return sorted(name for name in a.keys() | b.keys() if a.get(name) != b.get(name))
+
+
+def _acquire(handle: Any, lock: Path, wait_s: float, announce: Callable[[str], None]) -> None:
+    """flock ``handle``, polling until ``wait_s`` has passed; then one error naming the holder's pid."""
+    deadline = time.monotonic() + wait_s
+    announced = False
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        if time.monotonic() >= deadline:
+            raise CacheEntryError(f"{lock}: still held after {wait_s:g} s by pid {holder}, a run measuring this "
+                                  f"baseline; if that process is stuck, stop it (kill {holder}) and run again")
+        if not announced:
+            announce(f"fp8gate: waiting for {lock.name} (held by pid {holder}): another run is measuring "
+                     f"this baseline; waiting up to {wait_s:g} s")
+            announced = True
+        time.sleep(LOCK_POLL_S)
+
+
+class BaselineCache:
+    """``--fp8gate-baseline-cache DIR``: restores or measures and stores the baseline."""
+
+    def __init__(self, root: Path, update: bool, announce: Callable[[str], None],
+                 lock_wait_s: float = LOCK_WAIT_S) -> None:
+        self.root = root
+        self.update = update
+        self.announce = announce
+        self.lock_wait_s = lock_wait_s
+
+    def entry_path(self, name: str, key: dict[str, Any]) -> Path:
+        return self.root / f"{name}-{key_digest(key)[:16]}"
+
+    def fetch(self, spec: ModelSpec, key: dict[str, Any], target: Path, measure: Callable[[], BaselineRecord],
+              stale: Callable[[BaselineRecord], str | None] | None = None) -> BaselineRecord:
+        """The cached baseline ``spec`` when a valid entry has ``key`` (see ``baseline_key``), its files
+        copied into ``target``; else ``measure()``, which writes its artifacts there, then store it.
+        ``stale``: why a restored record no longer holds for what it was measured on (an endpoint that
+        answers otherwise now), or None; a reason measures it again and replaces the entry."""
+        name = spec.name
+        entry = self.entry_path(name, key)
+        with self.locked(entry):
+            if self.update:
+                why = "--fp8gate-update-baseline"
+            else:
+                try:
+                    record = self.load(entry, key, spec, target)
+                    changed = stale(record) if stale is not None else None
+                    if changed is None:
+                        self.announce(f"fp8gate: baseline {name} from the cache: {entry} "
+                                      f"(measured {record.measured_at}); no baseline engine started")
+                        return record
+                    why = f"entry not reused: {changed}"
+                except FileNotFoundError:
+                    why = self._miss_reason(name, key)
+                except CacheEntryError as err:
+                    why = f"entry not reused: {err}"
+            self.announce(f"fp8gate: baseline cache miss for {name} ({why}); measuring")
+            record = measure()
+            try:
+                self.store(entry, key, record, target)
+            except OSError as err:  # a full or read-only cache costs the next run time, not this run's verdicts
+                self.announce(f"fp8gate: the baseline was not stored in the cache: {err}")
+                record.origin = f"measured in this session; storing it in the baseline cache failed: {err}"
+                return record
+            record.origin = f"measured in this session and stored in the baseline cache: {entry} ({why})"
+            return record
+
+    @contextlib.contextmanager
+    def locked(self, entry: Path) -> Iterator[None]:
+        """Hold ``<entry>.lock``; wait at most ``lock_wait_s`` for a run that holds it (its pid is in the file)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock = entry.with_name(entry.name + ".lock")
+        with open(lock, "a+") as handle:
+            _acquire(handle, lock, self.lock_wait_s, self.announce)
+            handle.truncate(0)
+            handle.write(f"{os.getpid()}\n")  # for a run that waits: who holds it
+            handle.flush()
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _miss_reason(self, name: str, key: dict[str, Any]) -> str:
+        """Why there is no entry: which key fields the newest entry of this baseline differs in."""
+        others = sorted(self.root.glob(f"{name}-*/{KEY}"), key=lambda p: p.stat().st_mtime)
+        for path in reversed(others):
+            try:
+                stored = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            changed = key_differences(stored, key)
+            shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+            return f"no entry for this key; the newest entry, {path.parent.name}, differs in {shown}"
+        return "no entry for this key"
+
+    # ---- reading -------------------------------------------------------------
+
+    def load(self, entry: Path, key: dict[str, Any], spec: ModelSpec, target: Path) -> BaselineRecord:
+        """Check the entry against its manifest and the key, copy it into ``target``, restore it.
+
+        Raises FileNotFoundError when there is no entry and CacheEntryError when it is unusable.
+        """
+        if not entry.is_dir():
+            raise FileNotFoundError(entry)
+        listed = verify(entry, key)
+        try:
+            stored = json.loads((entry / RECORD).read_text(encoding="utf-8"))
+            unlisted = [name for name in stored["files"] if name not in listed]
+        except (ValueError, KeyError, TypeError) as err:
+            raise CacheEntryError(f"{entry / RECORD}: unreadable ({err})") from None
+        if unlisted:
+            raise CacheEntryError(f"{entry / RECORD}: names files the manifest lacks: {', '.join(unlisted)}")
+        for relative in stored["files"]:
+            _copy_atomic(entry / relative, target / relative)
+        try:
+            return _restore(stored, target, spec, entry, key)
+        except (KeyError, TypeError) as err:
+            raise CacheEntryError(f"{entry / RECORD}: lacks {err}") from None
+
+    # ---- writing -------------------------------------------------------------
+
+    def store(self, entry: Path, key: dict[str, Any], record: BaselineRecord, source: Path) -> None:
+        """Write the entry in a staging directory, then rename it into place (call under the lock)."""
+        for stale in self.root.glob(f".*-{entry.name}-*"):  # left by a run that died mid-write
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = self.root / f".staging-{entry.name}-{uuid.uuid4().hex[:8]}"
+        staging.mkdir()
+        try:
+            stored = _serialise(record, source)
+            for relative in stored["files"]:
+                _copy_atomic(source / relative, staging / relative)
+            atomic_write_text(staging / RECORD, json.dumps(stored, indent=1, default=str))
+            atomic_write_text(staging / KEY, json.dumps(key, indent=1, sort_keys=True, default=str))
+            files = {path.relative_to(staging).as_posix(): _file_entry(path)
+                     for path in sorted(staging.rglob("*")) if path.is_file()}
+            atomic_write_text(staging / MANIFEST, json.dumps({"format": FORMAT, "key_sha256": key_digest(key),
+                                                              "files": files}, indent=1))
+            _replace_dir(staging, entry)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def verify(entry: Path, key: dict[str, Any]) -> set[str]:
+    """The entry's files; CacheEntryError names the first one missing, truncated, altered or unlisted."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CacheEntryError(f"{entry / MANIFEST}: missing or unreadable ({err})") from None
+    if manifest.get("format") != FORMAT:
+        raise CacheEntryError(f"{entry / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT}")
+    if manifest.get("key_sha256") != key_digest(key):
+        raise CacheEntryError(f"{entry / MANIFEST}: key mismatch (the entry was stored for another key)")
+    for relative, expected in files.items():
+        path = entry / relative
+        if not path.is_file():
+            raise CacheEntryError(f"{path}: missing")
+        if path.stat().st_size != expected["size"]:
+            raise CacheEntryError(f"{path}: {path.stat().st_size} bytes, the manifest says {expected['size']} "
+                                  "(truncated or rewritten)")
+        if provenance.file_sha256(path) != expected["sha256"]:
+            raise CacheEntryError(f"{path}: sha256 differs from the manifest (corrupt)")
+    present = {p.relative_to(entry).as_posix() for p in entry.rglob("*") if p.is_file()} - {MANIFEST}
+    if present != set(files):
+        raise CacheEntryError(f"{entry}: files not in the manifest: {', '.join(sorted(present - set(files)))}")
+    for required in (RECORD, KEY):
+        if required not in files:
+            raise CacheEntryError(f"{entry / required}: missing")
+    differences = key_differences(json.loads((entry / KEY).read_text(encoding="utf-8")), key)
+    if differences:
+        raise CacheEntryError(f"{entry / KEY}: key mismatch in {', '.join(differences)}")
+    return set(files)
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, "sha256": provenance.file_sha256(path)}
+
+
+def _copy_atomic(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(source, "rb") as reader, atomic_open(target, "wb") as writer:
+        shutil.copyfileobj(reader, writer, 1 << 20)
+
+
+def _replace_dir(staging: Path, entry: Path) -> None:
+    """Rename ``staging`` to ``entry``; an old entry is moved aside first, then removed."""
+    trash = None
+    if entry.exists():
+        trash = entry.with_name(f".trash-{entry.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(entry, trash)
+    os.rename(staging, entry)
+    fsync_directory(entry.parent)  # the rename itself survives a crash
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+# ---- record <-> JSON ---------------------------------------------------------
+
+
+def _relative(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+def _serialise_pass(result: PassResult, root: Path) -> dict[str, Any]:
+    return {"label": result.label,
+            "logprobs": _relative(result.logprobs_path, root) if result.logprobs_path else None,
+            "samples": {task: _relative(path, root) for task, path in result.samples.items()}}
+
+
+def _pass_files(result: PassResult, root: Path) -> list[str]:
+    files = [_relative(result.logprobs_path, root)] if result.logprobs_path else []
+    for task, path in result.samples.items():
+        files.append(_relative(path, root))
+        results = path.with_name(f"results_{task}.json")
+        if results.is_file():
+            files.append(_relative(results, root))
+    return files
+
+
+def _serialise(record: BaselineRecord, root: Path) -> dict[str, Any]:
+    result = record.result
+    files = [*_pass_files(result.main, root)]
+    for noise in record.noise.values():
+        files += _pass_files(noise, root)
+    files += [name for name in ("engine.json", "provenance.json") if (root / name).is_file()]
+    return {
+        "main": _serialise_pass(result.main, root),
+        "noise": {label: _serialise_pass(p, root) for label, p in record.noise.items()},
+        "start_s": result.start_s,
+        "kv_cache_tokens": result.kv_cache_tokens,
+        "vocab_size": result.vocab_size,
+        "latency": result.latency.as_dict() if result.latency else None,
+        "load": [dataclasses.asdict(level) for level in result.load] if result.load is not None else None,
+        "spec_decode": [w.as_dict() for w in result.spec_decode] if result.spec_decode is not None else None,
+        "chunks": record.chunks,
+        "id_scoring_refusal": record.id_scoring_refusal,
+        "engine_runs": record.engine_runs,
+        "decode": _serialise_decode(record, root),
+        "files": files + list(_decode_files(record, root)),
+    }
+
+
+def _decode_files(record: BaselineRecord, root: Path) -> Iterator[str]:
+    for path in record.decode.dumps.values() if record.decode is not None else ():
+        yield _relative(path, root)
+
+
+def _serialise_decode(record: BaselineRecord, root: Path) -> dict[str, Any] | None:
+    """The baseline's continuations (ids) and where their dumps are: enough to judge without decoding again."""
+    decode = record.decode
+    if decode is None:
+        return None
+    if not {DECODE_DUMP, PREFILL_DUMP} <= decode.dumps.keys() or len(decode.dumps) != 2 + len(record.decode_floor):
+        raise OSError(f"the baseline's decode dumps are incomplete ({', '.join(sorted(decode.dumps))})")
+    return {"prompts": [list(p) for p in decode.own.prompts], "generated": [list(g) for g in decode.own.generated],
+            "dumps": {name: _relative(path, root) for name, path in decode.dumps.items()},
+            "floor": sorted(record.decode_floor)}
+
+
+def _restore_decode(stored: dict[str, Any] | None, root: Path) -> tuple[DecodeResult | None, dict[str, LogprobRun]]:
+    if stored is None:
+        return None, {}
+    dumps = {name: root / relative for name, relative in stored["dumps"].items()}
+    own = DecodeRun(tuple(tuple(p) for p in stored["prompts"]), tuple(tuple(g) for g in stored["generated"]),
+                    read_logprob_dump(dumps[DECODE_DUMP]))
+    floor = {label: read_logprob_dump(dumps[f"{FLOOR_DUMP}-{label}"]) for label in stored["floor"]}
+    return DecodeResult(own, read_logprob_dump(dumps[PREFILL_DUMP]), dumps=dumps), floor
+
+
+def _restore_pass(stored: dict[str, Any], root: Path) -> PassResult:
+    logprobs_path = root / stored["logprobs"] if stored["logprobs"] else None
+    return PassResult(stored["label"], logprobs=read_logprob_dump(logprobs_path) if logprobs_path else None,
+                      logprobs_path=logprobs_path,
+                      samples={task: root / relative for task, relative in stored["samples"].items()})
+
+
+def _restore(stored: dict[str, Any], root: Path, spec: ModelSpec, entry: Path, key: dict[str, Any]
+             ) -> BaselineRecord:
+    latency = None
+    if stored["latency"] is not None:
+        names = {f.name for f in dataclasses.fields(Latency)}
+        latency = Latency(**{k: v for k, v in stored["latency"].items() if k in names})
+    result = ModelResult(spec, _restore_pass(stored["main"], root), stored["start_s"],
+                         stored["kv_cache_tokens"], stored["vocab_size"], latency)
+    if "load" in key:  # a baseline judged under load is never reused without its levels
+        levels = stored.get("load")
+        if not levels:
+            raise CacheEntryError(f"{entry / RECORD}: has no load levels, which [load] needs")
+        result.load = [LoadLevel(**{**level, "ttft_s": tuple(level["ttft_s"]), "tpot_s": tuple(level["tpot_s"])})
+                       for level in levels]
+    if key["needs"].get("speculative"):  # the acceptance rule judges a cached baseline by its stored counters
+        windows = stored.get("spec_decode")
+        if not windows:
+            raise CacheEntryError(f"{entry / RECORD}: has no speculative-decoding counters, which [speculative] needs")
+        result.spec_decode = [Window.from_dict(w) for w in windows]
+    decode, floor = _restore_decode(stored.get("decode"), root)
+    record = BaselineRecord(result, {label: _restore_pass(p, root) for label, p in stored["noise"].items()},
+                            stored["chunks"], stored["id_scoring_refusal"], stored["engine_runs"], decode, floor,
+                            cached=True)
+    record.origin = f"from the baseline cache: {entry} (measured {record.measured_at}; no baseline engine started)"
+    return record

@@ -1,0 +1,1 @@
+"""The fp8gate commands, the demo and the checkpoint writers."""
