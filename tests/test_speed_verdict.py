@@ -54,10 +54,10 @@ def gate_for(tmp_path: Path):
 
 def test_overhead_bound_embedded_model_is_judged_without_a_ceiling(gate_for):
     # The embedded model on the H200 ran 617 tok/s against a ceiling of ~600,000.
-    verdict = gate_for(617.0, 600.0).speed(Case("speed", "fp8-per-channel"))
+    verdict = gate_for(617.0, 600.0).evaluate(Case("speed", "fp8-per-channel"))
     assert verdict.passed
     assert any("overhead-bound" in note and "no bandwidth ceiling applies" in note for note in verdict.notes)
-    assert not gate_for(617.0, 300.0).speed(Case("speed", "fp8-per-channel")).passed  # planted: half the speed
+    assert not gate_for(617.0, 300.0).evaluate(Case("speed", "fp8-per-channel")).passed  # planted: half the speed
 
 
 def test_bandwidth_bound_candidate_is_judged_against_the_baselines_share(gate_for):
@@ -66,19 +66,19 @@ def test_bandwidth_bound_candidate_is_judged_against_the_baselines_share(gate_fo
                                      context_tokens=decode_context_tokens(1000, 256))
                   for q in (None, "fp8_per_channel"))
     base_tok_s = 0.65 * base.ceiling_tok_s
-    verdict = gate_for(base_tok_s, 1.35 * base_tok_s).speed(Case("speed", "fp8-per-channel"))
+    verdict = gate_for(base_tok_s, 1.35 * base_tok_s).evaluate(Case("speed", "fp8-per-channel"))
     rows = dict(verdict.outcome.rows)
     assert rows["baseline share of ceiling"] == pytest.approx(0.65, rel=1e-3)
     assert rows["speedup the bytes allow"] == pytest.approx(base.bytes_per_token / cand.bytes_per_token)
     assert verdict.passed and "same GPU" in " ".join(verdict.notes)
-    regressed = gate_for(base_tok_s, 0.85 * base_tok_s).speed(Case("speed", "fp8-per-channel"))
+    regressed = gate_for(base_tok_s, 0.85 * base_tok_s).evaluate(Case("speed", "fp8-per-channel"))
     assert not regressed.passed  # planted: FP8 slower than BF16 although it reads fewer bytes
-    article = gate_for(base_tok_s, 1.35 * base_tok_s, rule="share_of_ceiling").speed(Case("speed", "fp8-per-channel"))
+    article = gate_for(base_tok_s, 1.35 * base_tok_s, rule="share_of_ceiling").evaluate(Case("speed", "fp8-per-channel"))
     assert not article.passed and article.outcome.limit == 0.8
 
 
 def test_the_kv_cache_read_over_the_whole_decode_counts(gate_for):
-    verdict = gate_for(617.0, 600.0).speed(Case("speed", "fp8-per-channel"))
+    verdict = gate_for(617.0, 600.0).evaluate(Case("speed", "fp8-per-channel"))
     roofline = verdict.details["roofline"]
     assert roofline["context_tokens"] == decode_context_tokens(1000, 256) == 1128
     assert "mean context of 1128 tokens" in verdict.notes[0]
@@ -94,7 +94,7 @@ def test_the_candidate_s_kv_cache_dtype_reaches_its_roofline(gate_for):
     gate = gate_for(617.0, 600.0)
     candidate = gate.measurements.candidate("fp8-per-channel")
     candidate.spec = dataclasses.replace(candidate.spec, engine={**candidate.spec.engine, "kv_cache_dtype": "fp8"})
-    details = gate.speed(Case("speed", "fp8-per-channel")).details
+    details = gate.evaluate(Case("speed", "fp8-per-channel")).details
     # BF16 keys and values take 2 bytes an element, an FP8 KV cache 1.
     assert details["baseline_roofline"]["kv_bytes_per_context_token"] == (
         2 * details["roofline"]["kv_bytes_per_context_token"])
@@ -102,7 +102,7 @@ def test_the_candidate_s_kv_cache_dtype_reaches_its_roofline(gate_for):
 
 def test_the_speed_verdict_ends_with_its_limit_and_the_roofline_command(gate_for):
     gate = gate_for(617.0, 300.0)
-    lines = gate.speed(Case("speed", "fp8-per-channel")).explain().splitlines()
+    lines = gate.evaluate(Case("speed", "fp8-per-channel")).explain().splitlines()
     model = display_path(Path(gate.config.candidates[0].model))  # paths as the user would type them
     assert lines[-2:] == [
         # The embedded model is overhead-bound, so that limit applies.
@@ -118,12 +118,12 @@ def test_a_share_of_the_ceiling_above_one_is_refused_as_a_wrong_byte_model(gate_
     base_tok_s = 617.0
     gate = gate_for(base_tok_s, 1.5 * cand.ceiling_tok_s)  # faster than the bandwidth allows
     with pytest.raises(GateError) as info:
-        gate.speed(Case("speed", "fp8-per-channel"))
+        gate.evaluate(Case("speed", "fp8-per-channel"))
     message = str(info.value)
     assert message.startswith(f"speed: fp8-per-channel decodes {1.5 * cand.ceiling_tok_s:.1f} tok/s, 1.50 x its "
                               f"roofline ceiling of {cand.ceiling_tok_s:.1f} tok/s at 4800 GB/s")
     assert "the byte model counts more bytes per token than the model reads" in message
-    assert gate_for(base_tok_s, 0.99 * cand.ceiling_tok_s).speed(Case("speed", "fp8-per-channel"))  # just below
+    assert gate_for(base_tok_s, 0.99 * cand.ceiling_tok_s).evaluate(Case("speed", "fp8-per-channel"))  # just below
 
 
 @pytest.mark.parametrize("nvml_gbps, warned", [(4000.0, True), (4900.0, False)])
@@ -137,7 +137,7 @@ def test_the_table_bandwidth_is_checked_against_nvml(gate_for, monkeypatch, nvml
     assert warning == (expected if warned else None)
     gate = gate_for(617.0, 600.0)
     gate.measurements.candidate("fp8-per-channel").bandwidth_warning = warning
-    verdict = gate.speed(Case("speed", "fp8-per-channel"))
+    verdict = gate.evaluate(Case("speed", "fp8-per-channel"))
     assert [note for note in verdict.notes if note.startswith("WARNING: NVML")] == ([expected] if warned else [])
 
 

@@ -743,6 +743,26 @@ class Rule:
     se_field: str | None = None  # probability rules: the LogprobComparison field holding the metric's SE
     judge: Callable[..., RuleOutcome] | None = None  # the other rules: the function that decides them
 
+    def decide(self, *args: Any, **kwargs: Any) -> RuleOutcome:
+        """The rule's judge on measured numbers (a rule decided by its bound has none)."""
+        if self.judge is None:
+            raise TypeError(f"rule {self.name} is decided by its bound, not by a judge")
+        return self.judge(*args, **kwargs)
+
+    def against_floors(self, metric: str, comparison: Any, floors: Mapping[str, Any], limit: float | None,
+                       factor: float | None, floor_key: str, limit_se: float) -> tuple[RuleOutcome, dict[str, float]]:
+        """A probability rule (on the corpus, a position bucket or generated text) on ``comparison``'s figure
+        ``metric`` against the worst of ``floors``' figures: the one place its limit, floor ratio and limit_se
+        meet. Returns the outcome and each floor's figure."""
+        assert self.bound is not None and self.ideal is not None and self.se_field is not None
+        ideal = self.ideal
+        floor_values = {label: value for label, c in floors.items() if (value := getattr(c, metric)) is not None}
+        worst = max(floor_values.values(), key=lambda v: abs(v - ideal)) if floor_values else None
+        outcome = self.bound(self.name, getattr(comparison, metric), limit, worst, factor, ideal=ideal,
+                             measured_se=getattr(comparison, self.se_field) or 0.0, k_se=limit_se,
+                             keys=(self.limit_key, floor_key))
+        return within_sanity_floor(outcome, comparison.same_top), floor_values
+
 
 # The probability rows follow [probabilities.limits]; each name is also its LogprobComparison field.
 RULES: tuple[Rule, ...] = (

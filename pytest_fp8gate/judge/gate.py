@@ -42,14 +42,11 @@ class Gate:
         self.comparisons = Comparisons(config, measurements)  # shared with the markdown report
         # The evidence each rule's judge is given; probability rules share one, driven by their row, and
         # so do the decode phase's (generation_verdicts.decode_phase).
-        self._judges: dict[str, Callable[[Case], Verdict]] = {rules.ACCURACY: self.accuracy, rules.FLIPS: self.flips,
-                                                              rules.SPEED: self.speed, rules.LOAD: self.load,
-                                                              rules.ACCEPTANCE: self.acceptance,
-                                                              rules.DECODE_GAP: self.decode_gap,
-                                                              rules.LENGTH_DRIFT: self.length_drift,
-                                                              rules.INVALID_RATE: self.invalid_rate,
-                                                              rules.RECOVERY: self.recovery,
-                                                              rules.TRUNCATION: self.truncation}
+        self._judges: dict[str, Callable[[Case, rules.Rule], Verdict]] = {
+            rules.ACCURACY: self.accuracy, rules.FLIPS: self.flips, rules.SPEED: self.speed, rules.LOAD: self.load,
+            rules.ACCEPTANCE: self.acceptance, rules.DECODE_GAP: self.decode_gap,
+            rules.LENGTH_DRIFT: self.length_drift, rules.INVALID_RATE: self.invalid_rate,
+            rules.RECOVERY: self.recovery, rules.TRUNCATION: self.truncation}
 
     @property
     def config(self) -> GateConfig:
@@ -61,13 +58,13 @@ class Gate:
         if rule is None:
             raise GateError(f"unknown rule {case.rule!r}; expected one of {', '.join(rules.BY_NAME)}")
         if rule.kind == "probability":
-            verdict = self.probability(case)
+            verdict = self.probability(case, rule)
         elif rule.kind == "bucket":
-            verdict = self.bucket(case)
+            verdict = self.bucket(case, rule)
         elif rule.kind == "decode" and rule.bound is not None:  # the probability rules on generated positions
-            verdict = generation_verdicts.decode_phase(self.comparisons, case)
+            verdict = generation_verdicts.decode_phase(self.comparisons, case, rule)
         else:
-            verdict = self._judges[rule.name](case)
+            verdict = self._judges[rule.name](case, rule)
         return dataclasses.replace(verdict, served=self.measurements.candidate(case.candidate).served_otherwise)
 
     def _limit(self, key: str, value: Any) -> str:
@@ -75,10 +72,9 @@ class Gate:
 
     # ---- check one: probabilities on the same text ---------------------------
 
-    def probability(self, case: Case) -> Verdict:
+    def probability(self, case: Case, rule: rules.Rule) -> Verdict:
         assert self.config.probabilities is not None
         limits = self.config.probabilities.limits
-        rule = rules.BY_NAME[case.rule]
         comparison = self.comparisons.logprobs(case.candidate)
         floors = self.comparisons.logprob_floors()
         outcome, floor_values = self._bounded(rule, rule.name, comparison, floors)
@@ -98,12 +94,11 @@ class Gate:
                      f"PPL ratio {comparison.ppl_ratio:.6f}")
         return self._probability_verdict(case, rule.name, outcome, comparison, floors, tuple(notes))
 
-    def bucket(self, case: Case) -> Verdict:
+    def bucket(self, case: Case, rule: rules.Rule) -> Verdict:
         """A probability rule on its worst position bucket, each bucket against the noise floor's same bucket
         (issue 34, an addition); a bucket with fewer than min_bucket_positions positions is shown, not judged."""
         spec = self.config.probabilities
         assert spec is not None and spec.limits.per_bucket  # collected only where per_bucket is set
-        rule = rules.BY_NAME[case.rule]
         metric = rule.name.removeprefix(rules.BUCKET_PREFIX)
         comparison = self.comparisons.logprobs(case.candidate)
         floors = self.comparisons.logprob_floors()
@@ -144,23 +139,13 @@ class Gate:
         (the limit, floor_ratio and limit_se of [probabilities.limits]), and each floor's figure."""
         assert self.config.probabilities is not None
         limits = self.config.probabilities.limits
-        assert rule.bound is not None and rule.ideal is not None and rule.se_field is not None
-        measured = getattr(comparison, metric)
-        if measured is None:
+        if getattr(comparison, metric) is None:
             raise GateError(
                 f"{self.config.path}: probabilities.limits.{rule.limit_key}: the engine gave no distributions to "
                 f"compute {metric} from (KL: {comparison.kl_kind}); remove the limit or use full_vocab/top_k"
             )
-        ideal = rule.ideal
-        floor_values = {label: getattr(c, metric) for label, c in floors.items()}
-        worst = max(floor_values.values(), key=lambda v: abs(v - ideal)) if floor_values else None
-        reference, factor = getattr(limits, rule.limit_key), limits.floor_ratio_for(metric)
-        floor_key = self._floor_key(metric)
-        outcome = rules.within_sanity_floor(
-            rule.bound(rule.name, measured, reference, worst, factor, ideal=ideal,
-                       measured_se=getattr(comparison, rule.se_field) or 0.0, k_se=limits.limit_se,
-                       keys=(rule.limit_key, floor_key)), comparison.same_top)
-        return outcome, floor_values
+        return rule.against_floors(metric, comparison, floors, getattr(limits, rule.limit_key),
+                                   limits.floor_ratio_for(metric), self._floor_key(metric), limits.limit_se)
 
     def _floor_key(self, metric: str) -> str:
         assert self.config.probabilities is not None
@@ -210,12 +195,10 @@ class Gate:
         _check_expected_accuracy(self.config.baseline.name, task, accuracy, len(base))
         return self.comparisons.answers(case.candidate, task)
 
-    def accuracy(self, case: Case) -> Verdict:
+    def accuracy(self, case: Case, rule: rules.Rule) -> Verdict:
         task = self._task(case.task)
         comparison, floors = self.answer_comparison(case)
-        judge = rules.BY_NAME[rules.ACCURACY].judge
-        assert judge is not None
-        outcome = judge(comparison.accuracy_base, comparison.accuracy_cand, comparison.questions,
+        outcome = rule.decide(comparison.accuracy_base, comparison.accuracy_cand, comparison.questions,
                         k=task.limits.accuracy_se, two_sided=task.limits.two_sided)
         notes = [f"SE = sqrt(p(1-p)/n) with p the baseline accuracy; k = {task.limits.accuracy_se:g}"
                  f"{', two-sided' if task.limits.two_sided else ', one-sided (a drop fails)'}",
@@ -225,15 +208,13 @@ class Gate:
                        limit=self._task_limit(task, outcome.limit_key, getattr(task.limits, outcome.limit_key)),
                        recompute=self._flips_command(case, task))
 
-    def recovery(self, case: Case) -> Verdict:
+    def recovery(self, case: Case, rule: rules.Rule) -> Verdict:
         task = self._task(case.task)
         min_recovery = task.limits.min_recovery
         assert min_recovery is not None  # the rule is collected only where it is set
         comparison, floors = self.answer_comparison(case)
-        judge = rules.BY_NAME[rules.RECOVERY].judge
-        assert judge is not None
         both_right = comparison.accuracy_base - comparison.right_to_wrong / comparison.questions
-        outcome = judge(comparison.accuracy_base, comparison.accuracy_cand, both_right, comparison.questions,
+        outcome = rule.decide(comparison.accuracy_base, comparison.accuracy_cand, both_right, comparison.questions,
                         min_recovery, k=task.limits.accuracy_se)
         se = outcome.figures["recovery_se"]
         notes = [f"recovery = candidate / baseline accuracy = {outcome.measured:.4f}, 95% interval "
@@ -249,14 +230,12 @@ class Gate:
                        limit=self._task_limit(task, outcome.limit_key, min_recovery),
                        recompute=self._flips_command(case, task))
 
-    def flips(self, case: Case) -> Verdict:
+    def flips(self, case: Case, rule: rules.Rule) -> Verdict:
         task = self._task(case.task)
         comparison, floors = self.answer_comparison(case)
         floor_flips = max((c.flips for c in floors.values()), default=0)
         limits = task.limits
-        judge = rules.BY_NAME[rules.FLIPS].judge
-        assert judge is not None
-        outcome = judge(comparison.flips, floor_flips, comparison.questions, ratio=limits.flips_ratio,
+        outcome = rule.decide(comparison.flips, floor_flips, comparison.questions, ratio=limits.flips_ratio,
                         min_allowance_fraction=limits.min_flip_allowance, rule=limits.flip_rule,
                         alpha=limits.flip_alpha)
         notes = [f"candidate flips: {comparison.right_to_wrong} right->wrong, {comparison.wrong_to_right} "
@@ -294,21 +273,21 @@ class Gate:
 
     # ---- on generated text (issue 22): evidence in generation_verdicts ------
 
-    def decode_gap(self, case: Case) -> Verdict:
-        return generation_verdicts.decode_gap(self.comparisons, case)
+    def decode_gap(self, case: Case, rule: rules.Rule) -> Verdict:
+        return generation_verdicts.decode_gap(self.comparisons, case, rule)
 
-    def length_drift(self, case: Case) -> Verdict:
-        return generation_verdicts.length_drift_verdict(self.comparisons, self._task(case.task), case)
+    def length_drift(self, case: Case, rule: rules.Rule) -> Verdict:
+        return generation_verdicts.length_drift_verdict(self.comparisons, self._task(case.task), case, rule)
 
-    def invalid_rate(self, case: Case) -> Verdict:
-        return generation_verdicts.invalid_rate_verdict(self.comparisons, self._task(case.task), case)
+    def invalid_rate(self, case: Case, rule: rules.Rule) -> Verdict:
+        return generation_verdicts.invalid_rate_verdict(self.comparisons, self._task(case.task), case, rule)
 
-    def truncation(self, case: Case) -> Verdict:
-        return generation_verdicts.truncation_verdict(self.comparisons, self._task(case.task), case)
+    def truncation(self, case: Case, rule: rules.Rule) -> Verdict:
+        return generation_verdicts.truncation_verdict(self.comparisons, self._task(case.task), case, rule)
 
     # ---- speed last ----------------------------------------------------------
 
-    def speed(self, case: Case) -> Verdict:
+    def speed(self, case: Case, rule: rules.Rule) -> Verdict:
         speed = self.config.speed
         assert speed is not None
         result = self.measurements.candidate(case.candidate)
@@ -326,9 +305,7 @@ class Gate:
         cand = rules.DecodeSpeed(result.latency.decode_tok_s, _ceiling(estimates["candidate"]))
         base_speed = rules.DecodeSpeed(base.latency.decode_tok_s, _ceiling(estimates["baseline"]))
         _refuse_above_ceiling({result.spec.name: cand, base.spec.name: base_speed}, bandwidth)
-        judge = rules.BY_NAME[rules.SPEED].judge
-        assert judge is not None
-        outcome = judge(cand, base_speed, rule=speed.rule, min_share_of_baseline=speed.min_share_of_baseline,
+        outcome = rule.decide(cand, base_speed, rule=speed.rule, min_share_of_baseline=speed.min_share_of_baseline,
                         min_fraction_of_ceiling=speed.min_fraction_of_ceiling,
                         overhead_bound_below=speed.overhead_bound_below,
                         min_ratio_overhead_bound=speed.min_ratio_overhead_bound)
@@ -354,17 +331,15 @@ class Gate:
 
     # ---- speed under load (issue 20): served models ----------------------------
 
-    def load(self, case: Case) -> Verdict:
+    def load(self, case: Case, rule: rules.Rule) -> Verdict:
         load = self.config.load
         assert load is not None
         result, base = self.measurements.candidate(case.candidate), self.measurements.baseline()
         if result.load is None or base.load is None:  # measuring runs every level of a model needing the rule
             raise GateError(f"{self.config.path}: load: no load levels measured for "
                             f"{base.spec.name if base.load is None else result.spec.name}")
-        judge = rules.BY_NAME[rules.LOAD].judge
-        assert judge is not None
         try:
-            outcome = judge(result.load, base.load, load.min_throughput_fraction, load.slos())
+            outcome = rule.decide(result.load, base.load, load.min_throughput_fraction, load.slos())
         except ValueError as err:
             raise GateError(f"load: cannot judge {case.candidate} against {base.spec.name}: {err}") from None
         notes = [_load_judgement(load, outcome), *_load_table(result.load, base.load),
@@ -382,16 +357,14 @@ class Gate:
 
     # ---- speculative decoding (issue 34): served models ----------------------
 
-    def acceptance(self, case: Case) -> Verdict:
+    def acceptance(self, case: Case, rule: rules.Rule) -> Verdict:
         speculative = self.config.speculative
         assert speculative is not None
         result, base = self.measurements.candidate(case.candidate), self.measurements.baseline()
-        judge = rules.BY_NAME[rules.ACCEPTANCE].judge
-        assert judge is not None
         try:
             counts = [spec_decode.total(model.spec_decode, model.spec.name, speculative.min_drafts)
                       for model in (result, base)]
-            outcome = judge(*counts, speculative.min_acceptance_ratio)
+            outcome = rule.decide(*counts, speculative.min_acceptance_ratio)
         except ValueError as err:
             raise GateError(f"acceptance: cannot judge {case.candidate} against {base.spec.name}: {err}") from None
         notes = ["mean acceptance length = 1 + accepted tokens / drafts (vLLM's gsm8k CI), from vllm:spec_decode_* "

@@ -54,30 +54,21 @@ def _recompute(first: Path | None, second: Path | None) -> str | None:
     return fp8gate_command("compare-logprobs", first, second) if first is not None and second is not None else None
 
 
-def decode_phase(comparisons: Comparisons, case: Case) -> Verdict:
+def decode_phase(comparisons: Comparisons, case: Case, rule: rules.Rule) -> Verdict:
     """decode_same_top, decode_rms_dp, decode_mean_kl: the probability rules' judgement on generated positions."""
     config = comparisons.config
     decode = config.decode
     assert decode is not None
     limits = decode.limits
-    rule = rules.BY_NAME[case.rule]
-    assert rule.bound is not None and rule.ideal is not None and rule.se_field is not None
     metric = rule.name.removeprefix(rules.DECODE_PREFIX)
     comparison, floors = comparisons.decode(case.candidate)
-    measured = getattr(comparison.logprobs, metric)
-    if measured is None:
+    if getattr(comparison.logprobs, metric) is None:
         raise GateError(f"{config.path}: decode.limits.{rule.limit_key}: the engine gave no distributions to "
                         f"compute {metric} from (KL: {comparison.logprobs.kl_kind})")
-    floor_values = {label: getattr(c.logprobs, metric) for label, c in floors.items()
-                    if getattr(c.logprobs, metric) is not None}
-    ideal = rule.ideal
-    worst = max(floor_values.values(), key=lambda v: abs(v - ideal))
     reference = getattr(limits, rule.limit_key)
     same_top = comparison.logprobs.same_top
-    outcome = rules.within_sanity_floor(
-        rule.bound(rule.name, measured, reference, worst, limits.floor_ratio, ideal=ideal,
-                   measured_se=getattr(comparison.logprobs, rule.se_field) or 0.0, k_se=limits.limit_se,
-                   keys=(rule.limit_key, "floor_ratio")), same_top)
+    outcome, floor_values = rule.against_floors(metric, comparison.logprobs, {k: c.logprobs for k, c in floors.items()},
+                                                reference, limits.floor_ratio, "floor_ratio", limits.limit_se)
     prefill = _prefill_line(comparisons, case.candidate)
     notes = [rules.sanity_floor_note(same_top)] if outcome.bound_by == rules.SANITY_FLOOR else []
     notes += [f"on {comparison.logprobs.positions} generated positions ({comparison.sequences} greedy continuations "
@@ -100,7 +91,7 @@ def decode_phase(comparisons: Comparisons, case: Case) -> Verdict:
                    limit=limit_setting(config, f"decode.limits.{outcome.limit_key}", value), recompute=recompute)
 
 
-def decode_gap(comparisons: Comparisons, case: Case) -> Verdict:
+def decode_gap(comparisons: Comparisons, case: Case, rule: rules.Rule) -> Verdict:
     """The candidate's decode-time log-probs against its prefill of the same ids, within max_gap_kl or
     gap_ratio x the baseline's own gap (not zero on GPUs)."""
     config = comparisons.config
@@ -111,9 +102,7 @@ def decode_gap(comparisons: Comparisons, case: Case) -> Verdict:
     if cand.mean_kl is None or base.mean_kl is None:
         raise GateError(f"{config.path}: decode.limits.max_gap_kl: the engine gave no distributions to "
                         f"compute KL from (KL: {cand.logprobs.kl_kind})")
-    judge = rules.BY_NAME[rules.DECODE_GAP].judge
-    assert judge is not None
-    outcome = judge(rules.DECODE_GAP, cand.mean_kl, limits.max_gap_kl, base.mean_kl, limits.gap_ratio,
+    outcome = rule.decide(rules.DECODE_GAP, cand.mean_kl, limits.max_gap_kl, base.mean_kl, limits.gap_ratio,
                     measured_se=cand.logprobs.kl_se or 0.0, k_se=limits.limit_se, keys=("max_gap_kl", "gap_ratio"))
     notes = [f"candidate decode vs its own prefill: {_figures(cand)}",
              f"baseline decode vs its own prefill (noise floor): {_figures(base)}",
@@ -143,15 +132,13 @@ def _thinking(comparisons: Comparisons, task: TaskSpec, case: Case) -> tuple[lis
     return notes, {THINKING: {who: asdict(thinking) for who, thinking in found.items()}}
 
 
-def length_drift_verdict(comparisons: Comparisons, task: TaskSpec, case: Case) -> Verdict:
+def length_drift_verdict(comparisons: Comparisons, task: TaskSpec, case: Case, rule: rules.Rule) -> Verdict:
     """Mean output length against the baseline's, next to the noise passes' own drift."""
     max_drift = task.limits.max_length_drift
     assert max_drift is not None  # the rule is collected only where it is set
     drift, floors = comparisons.length_drifts(case.candidate, task)
     worst = max(floors.values(), key=abs) if floors else None
-    judge = rules.BY_NAME[rules.LENGTH_DRIFT].judge
-    assert judge is not None
-    outcome = judge(drift, worst, max_drift, task.limits.flips_ratio)
+    outcome = rule.decide(drift, worst, max_drift, task.limits.flips_ratio)
     what = "answers after the thinking" if task.think_end else "raw generations"
     notes = [f"mean length of the {what} in characters: candidate {drift:+.2%} against the baseline "
              f"(MLPerf TEST09 bounds it at ±10%)"]
@@ -161,14 +148,12 @@ def length_drift_verdict(comparisons: Comparisons, task: TaskSpec, case: Case) -
                    limit=_task_limit(comparisons, task, outcome.limit_key, getattr(task.limits, outcome.limit_key)))
 
 
-def invalid_rate_verdict(comparisons: Comparisons, task: TaskSpec, case: Case) -> Verdict:
+def invalid_rate_verdict(comparisons: Comparisons, task: TaskSpec, case: Case, rule: rules.Rule) -> Verdict:
     """The share of answers with nothing parsable under the task's filter, against the baseline's."""
     max_increase = task.limits.max_invalid_increase
     assert max_increase is not None  # the rule is collected only where it is set
     base_rate, cand_rate, floors, questions = comparisons.invalid_rates(case.candidate, task)
-    judge = rules.BY_NAME[rules.INVALID_RATE].judge
-    assert judge is not None
-    outcome = judge(base_rate, cand_rate, max(floors.values()) if floors else None, questions, max_increase,
+    outcome = rule.decide(base_rate, cand_rate, max(floors.values()) if floors else None, questions, max_increase,
                     task.limits.accuracy_se)
     notes = [f"invalid: no answer under filter {task.filter!r} (lm-eval's \"[invalid]\" or empty); baseline "
              f"{base_rate:.4f}, candidate {cand_rate:.4f}"]
@@ -180,15 +165,13 @@ def invalid_rate_verdict(comparisons: Comparisons, task: TaskSpec, case: Case) -
                    tuple(notes + thinking_notes), limit=_task_limit(comparisons, task, outcome.limit_key, max_increase))
 
 
-def truncation_verdict(comparisons: Comparisons, task: TaskSpec, case: Case) -> Verdict:
+def truncation_verdict(comparisons: Comparisons, task: TaskSpec, case: Case, rule: rules.Rule) -> Verdict:
     """The share of answers the token budget ended (finish_reason "length"), against the baseline's."""
     max_increase = task.limits.max_truncation_increase
     assert max_increase is not None  # the rule is collected only where it is set
     base, cand, floors, questions = comparisons.truncations(case.candidate, task)
-    judge = rules.BY_NAME[rules.TRUNCATION].judge
-    assert judge is not None
     worst = max((len(cut) / questions for cut in floors.values()), default=None)
-    outcome = judge(len(base) / questions, len(cand) / questions, worst, questions, max_increase,
+    outcome = rule.decide(len(base) / questions, len(cand) / questions, worst, questions, max_increase,
                     task.limits.accuracy_se, len(cand - base), len(base - cand))
     budget = f"max_gen_toks = {task.max_gen_toks}" if task.max_gen_toks else "the task's max_gen_toks"
     notes = [f"answers ended by the token budget ({budget}; vLLM's finish_reason \"length\"): baseline "
