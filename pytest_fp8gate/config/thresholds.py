@@ -318,7 +318,9 @@ def _floor_ratio(value: Any) -> float | dict[str, float]:
 
 # The limits the probability rules and their decode-phase twins share.
 _FIDELITY_LIMIT_CHECKS = {"min_same_top": _POSITIVE_FRACTION, "max_rms_dp": _FRACTION, "max_mean_kl": _number(0)}
+# A probability row's limit with no check of its own here is a non-negative number (a KL, a share of Δp).
 _PROBABILITY_LIMIT_CHECKS = {
+    **{rule.limit_key: _number(0) for rule in RULES if rule.kind == "probability"},
     **_FIDELITY_LIMIT_CHECKS,
     "max_ppl_ratio": _RATIO,
     "floor_ratio": _floor_ratio,
