@@ -52,6 +52,7 @@ max_mean_kl = 0.01
 min_same_top = 0.9
 max_rms_dp = 0.05
 max_ppl_ratio = 1.01
+max_kl_p99 = 0.05
 [decode]
 prompts = 2
 prompt_tokens = 100

@@ -317,18 +317,18 @@ BAD_INPUTS = {
     ),
     "probabilities without limits": (
         MODELS + "[probabilities]\nchunks = 10\n",
-        "probabilities.limits: expected at least one of min_same_top, max_rms_dp, max_mean_kl, max_ppl_ratio; "
-        "nothing is gated",
+        "probabilities.limits: expected at least one of min_same_top, max_rms_dp, max_mean_kl, max_ppl_ratio, "
+        "max_kl_p99; nothing is gated",
     ),
     "probabilities with only how-to-judge keys": (
         MODELS + "[probabilities]\nchunks = 10\n[probabilities.limits]\nfloor_ratio = 2.0\nlimit_se = 0\n",
-        "probabilities.limits: expected at least one of min_same_top, max_rms_dp, max_mean_kl, max_ppl_ratio; "
-        "nothing is gated",
+        "probabilities.limits: expected at least one of min_same_top, max_rms_dp, max_mean_kl, max_ppl_ratio, "
+        "max_kl_p99; nothing is gated",
     ),
     "floor_ratio table with an unknown rule": (
         MODELS + "[probabilities]\n[probabilities.limits]\nmax_mean_kl = 0.1\nfloor_ratio = { kl = 20 }\n",
         "probabilities.limits.floor_ratio: unknown probability rule 'kl' in the table; expected a number or a "
-        "table of same_top, rms_dp, mean_kl, ppl_ratio",
+        "table of same_top, rms_dp, mean_kl, ppl_ratio, kl_p99",
     ),
     "floor_ratio table with a factor below 1": (
         MODELS + "[probabilities]\n[probabilities.limits]\nmax_mean_kl = 0.1\nfloor_ratio = { mean_kl = 0.5 }\n",

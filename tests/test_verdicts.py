@@ -21,10 +21,11 @@ from pytest_fp8gate.run.measure import Measurements
 # served models, in tests/test_load.py over fake endpoints; the optional recovery and truncation rules in
 # tests/test_recovery.py and tests/test_truncation.py; the optional position-bucket rules in
 # tests/test_position_buckets.py, on a model whose fault grows with position; the acceptance rule, served models
-# with a speculator, in tests/test_spec_decode.py over fake endpoints.
+# with a speculator, in tests/test_spec_decode.py over fake endpoints; the optional KL-tail rule in
+# tests/test_kl_tail.py, on a model whose fault hits a few positions.
 RULE_TESTS = sorted(name for name in vars(suite) if name.startswith("test_")
                     and BY_TEST[name].kind not in ("load", "bucket", "speculative")
-                    and BY_TEST[name].name not in GENERATION_RULES | {RECOVERY, TRUNCATION})
+                    and BY_TEST[name].name not in GENERATION_RULES | {RECOVERY, TRUNCATION, "kl_p99"})
 PROBABILITY_ROWS = ["reference", "noise floor", "candidate", "candidate SE (fails beyond 1 SE)", "threshold", "margin"]
 # suite test -> the rows of its table, how its notes start, the limit it names and the command that recomputes it
 EXPLAINED = {

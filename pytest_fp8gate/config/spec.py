@@ -101,6 +101,7 @@ class ProbabilityLimits:
     max_rms_dp: float | None = None
     max_mean_kl: float | None = None
     max_ppl_ratio: float | None = None
+    max_kl_p99: float | None = None  # the 99th percentile of KL (an addition)
     # One factor for every probability rule, or factors by rule name; applies only where the floor is > 0.
     floor_ratio: float | Mapping[str, float] | None = None
     limit_se: float = 1.0  # a limit fails only when missed by more than this many SEs (the accuracy rule's k)

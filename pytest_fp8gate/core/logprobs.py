@@ -221,6 +221,9 @@ class LogprobComparison:
     mean_kl: float | None
     kl_se: float | None
     kl_percentiles: dict[str, float] | None
+    # The 99th percentile of KL and its SE (an addition: the order statistics' 95% interval over 2 x 1.96).
+    kl_p99: float | None = None
+    kl_p99_se: float | None = None
     # KL at each position, kept for the plots so that nothing computes it twice (not serialised).
     kl_values: np.ndarray | None = field(default=None, repr=False, compare=False)
     buckets: tuple[PositionBucket, ...] = ()
@@ -255,6 +258,16 @@ def _mean_se(values: np.ndarray) -> tuple[float, float]:
     n = values.shape[0]
     se = float(values.std(ddof=1)) / math.sqrt(n) if n > 1 else 0.0
     return float(values.mean()), se
+
+
+def _p99_se(values: np.ndarray) -> tuple[float, float]:
+    """The 99th percentile and its SE, from the distribution-free interval of the order statistics: the
+    ranks n*0.99 -/+ 1.96 sqrt(n*0.99*0.01), whose values' distance over 2 x 1.96 reads as one SE."""
+    n = values.shape[0]
+    spread = 1.96 * math.sqrt(n * 0.99 * 0.01)
+    low, high = (min(n - 1, max(0, int(round(n * 0.99 + shift)))) for shift in (-spread, spread))
+    ordered = np.partition(values, sorted({low, high}))
+    return float(np.percentile(values, 99.0)), float(ordered[high] - ordered[low]) / (2 * 1.96)
 
 
 def _percentiles(values: np.ndarray) -> dict[str, float]:
@@ -310,6 +323,7 @@ def _summarise(same: np.ndarray, dp: np.ndarray, ln_ratio: np.ndarray, kl_kind: 
     rms_dp = math.sqrt(mean_square_dp)
     ln_ppl_ratio, ln_ppl_ratio_se = _mean_se(ln_ratio)
     mean_kl, kl_se = _mean_se(kl) if kl is not None else (None, None)
+    kl_p99, kl_p99_se = _p99_se(kl) if kl is not None else (None, None)
     return LogprobComparison(
         positions=n,
         same_top=same_top,
@@ -326,6 +340,8 @@ def _summarise(same: np.ndarray, dp: np.ndarray, ln_ratio: np.ndarray, kl_kind: 
         mean_kl=mean_kl,
         kl_se=kl_se,
         kl_percentiles=_percentiles(kl) if kl is not None else None,
+        kl_p99=kl_p99,
+        kl_p99_se=kl_p99_se,
     )
 
 

@@ -773,6 +773,8 @@ RULES: tuple[Rule, ...] = (
     Rule("mean_kl", "test_kl_within_limit", "probability", "max_mean_kl", at_most, 0.0, "kl_se"),
     Rule("ppl_ratio", "test_ppl_ratio_within_limit", "probability", "max_ppl_ratio", ratio_at_most, 1.0,
          "ln_ppl_ratio_se"),
+    # An optional addition: KL's tail, which llama.cpp prints and mlx-quant-fidelity gates on.
+    Rule("kl_p99", "test_kl_p99_within_limit", "probability", "max_kl_p99", at_most, 0.0, "kl_p99_se"),
     Rule(SPEED, "test_decode_speed_near_ceiling", "speed", "min_share_of_baseline", judge=decode_speed),
     # Issue 20: served models only (the loader refuses [load] for an in-process model).
     Rule(LOAD, "test_throughput_under_load", "load", "min_throughput_fraction", judge=throughput_under_load),

@@ -42,6 +42,10 @@ def test_kl_within_limit(fp8gate: GateSession, case, request: pytest.FixtureRequ
     fp8gate.enforce(case, request.node)
 
 
+def test_kl_p99_within_limit(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
 def test_decode_speed_near_ceiling(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
     fp8gate.enforce(case, request.node)
 
