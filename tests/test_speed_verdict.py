@@ -73,7 +73,8 @@ def test_bandwidth_bound_candidate_is_judged_against_the_baselines_share(gate_fo
     assert verdict.passed and "same GPU" in " ".join(verdict.notes)
     regressed = gate_for(base_tok_s, 0.85 * base_tok_s).evaluate(Case("speed", "fp8-per-channel"))
     assert not regressed.passed  # planted: FP8 slower than BF16 although it reads fewer bytes
-    article = gate_for(base_tok_s, 1.35 * base_tok_s, rule="share_of_ceiling").evaluate(Case("speed", "fp8-per-channel"))
+    article = gate_for(base_tok_s, 1.35 * base_tok_s, rule="share_of_ceiling").evaluate(
+        Case("speed", "fp8-per-channel"))
     assert not article.passed and article.outcome.limit == 0.8
 
 
