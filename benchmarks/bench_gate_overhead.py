@@ -35,7 +35,7 @@ def bare(workdir: Path) -> None:
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    from pytest_fp8gate.engines.engine import ALL_AT_ONCE
+    from pytest_fp8gate.engines.base import ALL_AT_ONCE
     from pytest_fp8gate.run.measure import BATCH_ORDER
 
     probs, task = config["probabilities"], config["tasks"][0]

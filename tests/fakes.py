@@ -2,7 +2,7 @@
 
 **Thresholds text.** ``thresholds_text`` builds the minimal file most tests start from.
 
-**The fake engine.** A stand-in for ``pytest_fp8gate.engines.engine.Engine`` for millisecond tests:
+**The fake engine.** A stand-in for ``pytest_fp8gate.engines.base.Engine`` for millisecond tests:
 seeded numpy logits, no vLLM.
 
 Every model shares one "architecture", bigram logits drawn from seed 0 over a
@@ -44,7 +44,7 @@ from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.core import capabilities, rules
 from pytest_fp8gate.core.dumps import write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.core.logprobs import LogprobRun
-from pytest_fp8gate.engines.engine import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
+from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
 from pytest_fp8gate.errors import IdScoringUnavailable
 from pytest_fp8gate.run.measure import Measurements
 from pytest_fp8gate.run.record import BaselineRecord, ModelResult, Needs, PassResult

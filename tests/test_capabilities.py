@@ -7,9 +7,11 @@ import pytest
 
 from pytest_fp8gate.core import capabilities
 from pytest_fp8gate.core.capabilities import UnsupportedEngine, detect, version_note, version_tuple
-from pytest_fp8gate.engines.engine import Engine, IdScoringUnavailable
+from pytest_fp8gate.engines.vllm_engine import VllmEngine
 
 # SamplingParams fields as each release declares them (the part that matters here).
+from pytest_fp8gate.errors import IdScoringUnavailable
+
 FIELDS_0_26 = ("max_tokens", "prompt_logprobs", "flat_logprobs", "detokenize")
 FIELDS_0_33 = (*FIELDS_0_26, "prompt_logprob_token_ids")
 
@@ -41,7 +43,7 @@ def test_installed_vllm_is_detected():
 
 
 def test_engine_never_sends_a_keyword_its_release_lacks():
-    engine = object.__new__(Engine)  # no vLLM engine: the refusal comes before any call
+    engine = object.__new__(VllmEngine)  # no vLLM engine: the refusal comes before any call
     engine.capabilities = detect("0.26.0", FIELDS_0_26)
     with pytest.raises(IdScoringUnavailable, match="added in vLLM 0.33"):
         engine.logprobs_on_ids([[1, 2, 3]], np.zeros((2, 4), dtype=np.int64))

@@ -11,7 +11,7 @@ import pytest
 
 from pytest_fp8gate.checkpoint import UNKNOWN_VOCAB, vocab_size, vocab_size_hint
 from pytest_fp8gate.config.spec import FileCorpus, ProbabilitySpec
-from pytest_fp8gate.engines.engine import Engine
+from pytest_fp8gate.engines.base import Engine
 from pytest_fp8gate.run import corpus
 
 ASSETS = Path(corpus.__file__).parents[1] / "assets"

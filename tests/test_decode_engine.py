@@ -11,7 +11,8 @@ import pytest
 
 from pytest_fp8gate.config.spec import DecodeSpec, ModelSpec
 from pytest_fp8gate.core.decode_phase import compare_decode
-from pytest_fp8gate.engines.engine import ALL_AT_ONCE, IN_PROCESS_ENV, Engine
+from pytest_fp8gate.engines.base import ALL_AT_ONCE
+from pytest_fp8gate.engines.vllm_engine import IN_PROCESS_ENV, VllmEngine
 from pytest_fp8gate.run import decode_passes
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
@@ -35,7 +36,7 @@ def measured() -> dict:
 
 
 def _measure(source: Path) -> dict:
-    engine = Engine(ModelSpec("m", str(source), None, ENGINE), max_logprobs=-1)
+    engine = VllmEngine(ModelSpec("m", str(source), None, ENGINE), max_logprobs=-1)
     try:
         ids = engine.encode(embedded_assets().corpus.read_text(encoding="utf-8"), True)
         prompts = decode_passes.decode_prompts([ids[:2000], ids[2000:4000]], SPEC)

@@ -23,7 +23,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pytest_fp8gate.config.thresholds import load_config  # noqa: E402
-from pytest_fp8gate.engines.engine import Engine, IdScoringUnavailable  # noqa: E402
+from pytest_fp8gate.engines.vllm_engine import VllmEngine  # noqa: E402
+from pytest_fp8gate.errors import IdScoringUnavailable  # noqa: E402
 from pytest_fp8gate.tools.demo.run import DEMO_CONFIG  # noqa: E402
 
 ASSETS = embedded_assets()
@@ -42,12 +43,12 @@ SHORT_TEXT_TOKENS = 256
 def engine():
     """The BF16 model with the demo config's engine settings, its core in vLLM's child process:
     an in-process core would fix vLLM's environment for the rest of this test session."""
-    started = Engine(load_config(DEMO_CONFIG).baseline, max_logprobs=-1)
+    started = VllmEngine(load_config(DEMO_CONFIG).baseline, max_logprobs=-1)
     yield started
     started.shutdown()
 
 
-def full_logprobs(engine: Engine, ids: list[int]) -> np.ndarray:
+def full_logprobs(engine: VllmEngine, ids: list[int]) -> np.ndarray:
     return engine.prompt_logprobs([ids], top_k=20, full_vocab=True).full_logprobs
 
 
@@ -104,11 +105,11 @@ def test_deterministic_scheduling_runs_the_engine_core_in_process() -> None:
         import multiprocessing
         from pytest_fp8gate.config.thresholds import load_config
         from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
-        from pytest_fp8gate.engines.engine import Engine
+        from pytest_fp8gate.engines.vllm_engine import VllmEngine
         config = load_config(DEMO_CONFIG)
         assert config.deterministic_scheduling
-        Engine.prepare_process(config.deterministic_scheduling)
-        engine = Engine(config.baseline, max_logprobs=1)
+        VllmEngine.prepare_process(config.deterministic_scheduling)
+        engine = VllmEngine(config.baseline, max_logprobs=1)
         print("client", type(engine.llm.llm_engine.engine_core).__name__)
         print("children", len(multiprocessing.active_children()))
         print("kv_cache_tokens", engine.kv_cache_tokens())
@@ -130,11 +131,12 @@ def test_an_engine_compiles_into_the_kept_compile_cache(tmp_path: Path) -> None:
         import dataclasses
         from pytest_fp8gate.config.thresholds import load_config
         from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
-        from pytest_fp8gate.engines.engine import Engine, applied_env
+        from pytest_fp8gate.engines.vllm_engine import VllmEngine
+        from pytest_fp8gate.engines.vllm_engine import applied_env
         spec = load_config(DEMO_CONFIG).baseline
         spec = dataclasses.replace(spec, engine={{**spec.engine, "enforce_eager": False}})
         with applied_env({{"VLLM_CACHE_ROOT": {str(kept)!r}}}):
-            Engine(spec, max_logprobs=1).shutdown()
+            VllmEngine(spec, max_logprobs=1).shutdown()
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -219,7 +221,7 @@ def test_each_answer_s_finish_reason_reaches_the_samples(engine, tmp_path: Path)
 
     from pytest_fp8gate.config.spec import TaskSpec
     from pytest_fp8gate.core.dumps import read_finish_reasons
-    from pytest_fp8gate.engines.engine import ALL_AT_ONCE
+    from pytest_fp8gate.engines.base import ALL_AT_ONCE
     from pytest_fp8gate.run.lm_adapter import run_task
 
     manager = TaskManager(include_path=str(ASSETS.tasks), include_defaults=False)
@@ -251,13 +253,13 @@ def test_a_thinking_template_scores_the_answer_after_its_marker(tmp_path: Path) 
 
     from pytest_fp8gate.config.spec import TaskSpec
     from pytest_fp8gate.core.dumps import FINISH_REASON, THINKING_CHARS
-    from pytest_fp8gate.engines.engine import ALL_AT_ONCE
+    from pytest_fp8gate.engines.base import ALL_AT_ONCE
     from pytest_fp8gate.run.lm_adapter import run_task
 
     model = tmp_path / "model"
     shutil.copytree(ASSETS.model, model)
     shutil.copy(ASSETS.tasks / "tiny_arith_think" / "chat_template.jinja", model / "chat_template.jinja")
-    thinking_engine = Engine(dataclasses.replace(load_config(DEMO_CONFIG).baseline, model=str(model)),
+    thinking_engine = VllmEngine(dataclasses.replace(load_config(DEMO_CONFIG).baseline, model=str(model)),
                              max_logprobs=-1)
     manager = TaskManager(include_path=str(ASSETS.tasks), include_defaults=False)
     rows, accuracy = {}, {}

@@ -17,7 +17,7 @@ from fakes import (
     write_recorded_gate,
 )
 from pytest_fp8gate.core import rules
-from pytest_fp8gate.engines.engine import Latency
+from pytest_fp8gate.engines.base import Latency
 from pytest_fp8gate.judge.verdict import Case, Verdict
 from pytest_fp8gate.report import markdown_report, plots
 from pytest_fp8gate.report.markdown_report import ReportData, first_divergence, render, write

@@ -11,7 +11,8 @@ import pytest
 from fakes import FIELDS_0_33, MODELS, QUESTIONS, FakeModel, fake_engine_class, write_gate
 from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.core.logprobs import TOPK_KL
-from pytest_fp8gate.engines.engine import ALL_AT_ONCE, IN_PROCESS_ENV, BatchLayout, Engine
+from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
+from pytest_fp8gate.engines.vllm_engine import IN_PROCESS_ENV, VllmEngine
 from pytest_fp8gate.errors import GateError, MeasurementError
 from pytest_fp8gate.judge.gate import TOPK_BOUND_SHARE, Gate, topk_gap_note
 from pytest_fp8gate.judge.verdict import Case
@@ -223,7 +224,7 @@ def test_the_noise_layout_is_one_call_in_another_order_with_new_neighbours():
 # ---- capabilities: what the gate does where the engine cannot ---------------------------------
 
 def _kl_note(found: Measurements, candidate: str = "good") -> str:
-    verdict = Gate(found.config, found).probability(Case("mean_kl", candidate))
+    verdict = Gate(found.config, found).evaluate(Case("mean_kl", candidate))
     return next(note for note in verdict.notes if note.startswith("KL(base || candidate)"))
 
 
@@ -270,7 +271,7 @@ def test_a_bound_from_each_sides_own_top_k_cites_its_measured_share_of_the_exact
     scored = measurements(tmp_path / "scored", {"good": PROBABILITIES}, top_k)
     refused = measurements(tmp_path / "refused", {"good": PROBABILITIES}, top_k,
                            **REFUSALS["engine refuses it"][0])
-    gap = [Gate(found.config, found).probability(Case("mean_kl", "good")).notes for found in (scored, refused)]
+    gap = [Gate(found.config, found).evaluate(Case("mean_kl", "good")).notes for found in (scored, refused)]
     assert not any("reads below the exact KL" in note for note in gap[0])  # scored on the baseline's ids
     note = next(note for note in gap[1] if "reads below the exact KL" in note)
     assert note == topk_gap_note(5) and f"at top_k 5 it read {TOPK_BOUND_SHARE[5]:.2f}" in note
@@ -310,23 +311,23 @@ def test_the_in_process_setting_is_made_once_before_any_engine_starts(tmp_path: 
 def vllm_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     # Set first, so that monkeypatch restores this process's environment (unset) afterwards.
     monkeypatch.setenv(IN_PROCESS_ENV, "1")
-    monkeypatch.setattr(Engine, "starts", 0)
+    monkeypatch.setattr(VllmEngine, "starts", 0)
     return monkeypatch
 
 
 def test_engine_prepare_process_sets_vllms_variable(vllm_env: pytest.MonkeyPatch):
-    Engine.prepare_process(False)
+    VllmEngine.prepare_process(False)
     assert os.environ[IN_PROCESS_ENV] == "1"
-    Engine.prepare_process(True)
+    VllmEngine.prepare_process(True)
     assert os.environ[IN_PROCESS_ENV] == "0"
-    vllm_env.setattr(Engine, "starts", 2)
-    Engine.prepare_process(True)  # a later session of the same process: already in effect
+    vllm_env.setattr(VllmEngine, "starts", 2)
+    VllmEngine.prepare_process(True)  # a later session of the same process: already in effect
 
 
 def test_the_in_process_setting_after_an_engine_started_is_refused(vllm_env: pytest.MonkeyPatch):
-    vllm_env.setattr(Engine, "starts", 1)
+    vllm_env.setattr(VllmEngine, "starts", 1)
     with pytest.raises(MeasurementError) as refused:
-        Engine.prepare_process(True)
+        VllmEngine.prepare_process(True)
     assert str(refused.value) == (
         "deterministic_scheduling: 1 engine(s) already started in this process with their cores in child "
         f"processes, and vLLM reads {IN_PROCESS_ENV} only once; run the gate in a fresh process")

@@ -20,7 +20,7 @@ from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.answers import final_answer, thinking_lengths
 from pytest_fp8gate.core.dumps import FINISH_REASON, THINKING_CHARS
-from pytest_fp8gate.engines.engine import ALL_AT_ONCE
+from pytest_fp8gate.engines.base import ALL_AT_ONCE
 from pytest_fp8gate.engines.provenance import task_fingerprint
 from pytest_fp8gate.errors import ConfigError
 from pytest_fp8gate.judge.gate import Gate

@@ -17,7 +17,7 @@ import pytest
 
 from fakes import checkout_env
 from pytest_fp8gate.engines import lifecycle
-from pytest_fp8gate.engines.engine import IN_PROCESS_ENV
+from pytest_fp8gate.engines.vllm_engine import IN_PROCESS_ENV
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
 

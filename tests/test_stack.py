@@ -91,7 +91,7 @@ from pathlib import Path
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
-from pytest_fp8gate.engines.engine import Engine
+from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.tools.fp8_writer import write_fp8_checkpoint
 
 if __name__ == "__main__":
@@ -101,7 +101,7 @@ if __name__ == "__main__":
     write_fp8_checkpoint(Path(config.baseline.model), checkpoint, "fp8-dynamic")
     written = replace(config.baseline, name="fp8-dynamic", model=str(checkpoint))
     for spec in (config.baseline, config.candidates[0], written):
-        engine = Engine(spec, max_logprobs=20)
+        engine = VllmEngine(spec, max_logprobs=20)
         print("STACK", json.dumps({"name": spec.name, **engine.facts()["stack"]}), flush=True)
         engine.shutdown()
 """

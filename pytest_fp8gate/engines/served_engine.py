@@ -42,7 +42,7 @@ from ..core.logprobs import LogprobRun
 from ..core.rules import LoadLevel
 from ..errors import EndpointError, IdScoringUnavailable
 from . import endpoint_probe, load
-from .engine import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency, timed_latency
+from .base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency, timed_latency
 from .http_client import EndpointClient
 from .server_process import ManagedServer
 

@@ -9,7 +9,8 @@ import pytest
 from .. import timing
 from ..config.spec import GateConfig
 from ..engines import lifecycle
-from ..engines.engine import Engine
+from ..engines.base import Engine
+from ..engines.vllm_engine import VllmEngine
 from ..errors import Fp8GateError
 from ..judge.gate import Gate
 from ..judge.verdict import Case, Verdict
@@ -50,7 +51,7 @@ class GateSession:
         self.artifacts = artifacts
         lifecycle.watch(artifacts)
         self.measurements = Measurements(gate_config, artifacts, config.stash.get(NEEDS_KEY, {}), announce, cache,
-                                         config.stash.get(ENGINE_CLASS_KEY, Engine), settings.compile_cache)
+                                         config.stash.get(ENGINE_CLASS_KEY, VllmEngine), settings.compile_cache)
         self.gate = Gate(gate_config, self.measurements)
         config.stash[SESSION_KEY] = self
 

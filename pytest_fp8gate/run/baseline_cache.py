@@ -33,7 +33,7 @@ from ..core.logprobs import LogprobRun
 from ..core.rules import LoadLevel
 from ..core.spec_decode import Window
 from ..engines import provenance, stack
-from ..engines.engine import Latency
+from ..engines.base import Latency
 from ..errors import CacheEntryError
 from .record import DECODE_DUMP, FLOOR_DUMP, PREFILL_DUMP, BaselineRecord, DecodeResult, ModelResult, Needs, PassResult
 

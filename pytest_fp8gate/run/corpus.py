@@ -9,7 +9,7 @@ from ..config.spec import DatasetCorpus, FileCorpus, ProbabilitySpec
 from ..errors import CorpusError
 
 if TYPE_CHECKING:
-    from ..engines.engine import Engine
+    from ..engines.base import Engine
 
 # Characters tokenized first for each token the chunks need (English runs about 4 a token); doubled
 # until the prefix holds enough.

@@ -21,7 +21,7 @@ from ..errors import IdScoringUnavailable
 from .record import DECODE_DUMP, FLOOR_DUMP, ON_BASELINE_DUMP, PREFILL_DUMP, DecodeResult
 
 if TYPE_CHECKING:
-    from ..engines.engine import BatchLayout, Engine
+    from ..engines.base import BatchLayout, Engine
 
 
 def write_dumps(directory: Path, result: DecodeResult, metadata: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ from ..atomic import atomic_write_text
 from ..config.spec import TaskSpec
 from ..core.answers import final_answer
 from ..core.dumps import FINISH_REASON, SAMPLES_RUN_ID, THINKING_CHARS, write_lm_eval_samples
-from ..engines.engine import ALL_AT_ONCE, BatchLayout, Engine
+from ..engines.base import ALL_AT_ONCE, BatchLayout, Engine
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default when a task sets none
 

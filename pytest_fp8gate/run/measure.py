@@ -31,7 +31,9 @@ from ..core.dumps import RUN_ID, write_logprob_dump
 from ..core.logprobs import LogprobRun, check_vocabulary
 from ..engines import provenance
 from ..engines import stack as stack_mod
-from ..engines.engine import ALL_AT_ONCE, FULL_VOCAB_LIMIT, BatchLayout, Engine, applied_env
+from ..engines.backend import engine_class_for
+from ..engines.base import ALL_AT_ONCE, BatchLayout, Engine
+from ..engines.vllm_engine import FULL_VOCAB_LIMIT, VllmEngine, applied_env
 from ..errors import ComparisonError, Fp8GateError, IdScoringUnavailable, MeasurementError
 from ..options import COMPILE_CACHE_ENV
 from . import corpus as corpus_mod
@@ -73,7 +75,7 @@ class Measurements:
         needs: dict[str, Needs],
         announce: Callable[[str], None],
         baseline_cache: BaselineCache | None = None,
-        engine_class: type[Engine] = Engine,
+        engine_class: type[Engine] = VllmEngine,
         compile_cache: Path | None = None,
     ) -> None:
         """``engine_class``: what starts an engine for a model (a stand-in in the tests); ``compile_cache``:
@@ -169,11 +171,7 @@ class Measurements:
         self.announce(f"fp8gate: engine start: {label} ({spec.model}, quantization={spec.quantization})")
         started_at, started = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
         memory = {"before_start": hardware.cuda_free_memory_mib()}
-        engine_class = self.engine_class
-        if spec.served is not None:  # issue 20: a model behind an OpenAI-compatible server
-            from ..engines.served_engine import ServedEngine
-
-            engine_class = ServedEngine
+        engine_class = engine_class_for(spec, self.engine_class)
         start_part = "engine start" if label == spec.name else f"engine start ({label})"
         with self.time.span(spec.name, start_part):
             engine = engine_class(spec, max_logprobs=self._max_logprobs(), dtype=dtype)

@@ -19,7 +19,7 @@ from ..core.dumps import read_lm_eval_samples
 from ..core.logprobs import LogprobRun
 from ..core.rules import LoadLevel
 from ..core.spec_decode import Window
-from ..engines.engine import Latency
+from ..engines.base import Latency
 
 # The noise pass re-runs the baseline in one call, as the main pass, but in another order:
 # every NOISE_STRIDE-th request first, reversed, so each request reaches the engine between

