@@ -36,6 +36,7 @@ def _edit(full_vocab: str | None) -> object:
     def edit(text: str) -> str:
         text = text.replace('[[candidates]]\nname = "good"', DECODE + '[[candidates]]\nname = "good"', 1)
         text += '\n[[candidates]]\nname = "other"\nquantization = "fp8_per_channel"\n'
+        text = text.replace("max_ppl_ratio = 1.000425\n", "max_ppl_ratio = 1.000425\nmax_kl_p99 = 0.01\n", 1)
         return text.replace("top_k = 5\n", f"top_k = 5\nfull_vocab = {full_vocab}\n") if full_vocab else text
     return edit
 
