@@ -74,11 +74,12 @@ def test_the_rule_is_collected_only_where_its_limit_is_set(tmp_path: Path) -> No
 def test_the_p99_and_its_se_follow_the_order_statistics() -> None:
     rng = np.random.default_rng(0)
     small, large = rng.exponential(size=2_000), rng.exponential(size=200_000)
-    p99, se = logprobs._p99_se(small)
-    assert p99 == pytest.approx(np.percentile(small, 99.0))
-    assert 0 < logprobs._p99_se(large)[1] < se  # more positions, a tighter tail
-    assert logprobs._p99_se(np.full(500, 0.25)) == (0.25, 0.0)
-    assert logprobs._p99_se(np.array([0.5])) == (0.5, 0.0)
+    kl = logprobs._summarise(np.ones(2_000, bool), np.zeros(2_000), np.zeros(2_000), "exact", small)
+    assert kl.kl_p99 == pytest.approx(np.percentile(small, 99.0)) == kl.kl_percentiles["99%"]
+    assert kl.kl_p99_se == logprobs._p99_se(small)
+    assert 0 < logprobs._p99_se(large) < logprobs._p99_se(small)  # more positions, a tighter tail
+    assert logprobs._p99_se(np.full(500, 0.25)) == 0.0
+    assert logprobs._p99_se(np.array([0.5])) == 0.0
 
 
 def test_a_negative_limit_is_one_clear_error(tmp_path: Path) -> None:

@@ -260,14 +260,14 @@ def _mean_se(values: np.ndarray) -> tuple[float, float]:
     return float(values.mean()), se
 
 
-def _p99_se(values: np.ndarray) -> tuple[float, float]:
-    """The 99th percentile and its SE, from the distribution-free interval of the order statistics: the
+def _p99_se(values: np.ndarray) -> float:
+    """The SE of the 99th percentile, from the distribution-free interval of the order statistics: the
     ranks n*0.99 -/+ 1.96 sqrt(n*0.99*0.01), whose values' distance over 2 x 1.96 reads as one SE."""
     n = values.shape[0]
     spread = 1.96 * math.sqrt(n * 0.99 * 0.01)
     low, high = (min(n - 1, max(0, int(round(n * 0.99 + shift)))) for shift in (-spread, spread))
     ordered = np.partition(values, sorted({low, high}))
-    return float(np.percentile(values, 99.0)), float(ordered[high] - ordered[low]) / (2 * 1.96)
+    return float(ordered[high] - ordered[low]) / (2 * 1.96)
 
 
 def _percentiles(values: np.ndarray) -> dict[str, float]:
@@ -323,7 +323,7 @@ def _summarise(same: np.ndarray, dp: np.ndarray, ln_ratio: np.ndarray, kl_kind: 
     rms_dp = math.sqrt(mean_square_dp)
     ln_ppl_ratio, ln_ppl_ratio_se = _mean_se(ln_ratio)
     mean_kl, kl_se = _mean_se(kl) if kl is not None else (None, None)
-    kl_p99, kl_p99_se = _p99_se(kl) if kl is not None else (None, None)
+    kl_percentiles = _percentiles(kl) if kl is not None else None
     return LogprobComparison(
         positions=n,
         same_top=same_top,
@@ -339,9 +339,9 @@ def _summarise(same: np.ndarray, dp: np.ndarray, ln_ratio: np.ndarray, kl_kind: 
         kl_kind=kl_kind,
         mean_kl=mean_kl,
         kl_se=kl_se,
-        kl_percentiles=_percentiles(kl) if kl is not None else None,
-        kl_p99=kl_p99,
-        kl_p99_se=kl_p99_se,
+        kl_percentiles=kl_percentiles,
+        kl_p99=None if kl_percentiles is None else kl_percentiles["99%"],
+        kl_p99_se=None if kl is None else _p99_se(kl),
     )
 
 
