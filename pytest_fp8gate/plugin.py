@@ -93,7 +93,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if not _gate_asked_for(config):
         return
     from . import options
-    from .config.thresholds import ConfigError, load_config
+    from .config.loader import load_config
+    from .errors import ConfigError
     from .face import refusals, report_hooks
     from .face.session import CONFIG_KEY
 

@@ -39,8 +39,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import GateConfig, ModelSpec
-from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.core import capabilities, rules
 from pytest_fp8gate.core.dumps import write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.core.logprobs import LogprobRun

@@ -168,7 +168,7 @@ def test_rule_numbers_land_in_junit_properties(pytester: pytest.Pytester, family
 
 SESSION_TEST = """
 from pytest_fp8gate.core import rules
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.face.session import VERDICTS_KEY, GateSession
 from pytest_fp8gate.judge.verdict import Case, Verdict
 
