@@ -95,7 +95,7 @@ class _Table:
             return default
         try:
             return check(self.raw[key])
-        except checks.Invalid as err:
+        except ValueError as err:
             raise self.parser.error(self.key(key), str(err)) from None
 
     def values(self, cls: type, key_checks: dict[str, checks.Check]) -> dict[str, Any]:
@@ -162,10 +162,7 @@ class _Parser:
         if config.probabilities is None and not config.tasks and config.speed is None and config.load is None:
             raise self.error("(top level)", "expected at least one check: [probabilities], [[tasks]], [speed] "
                                             "or [load]")
-        try:
-            checks.across_tables(config, self.model_configs)
-        except checks.Conflict as err:
-            raise self.error(err.where, str(err)) from None
+        checks.across_tables(config, self.model_configs, self.error)
         return config
 
     # models
@@ -212,7 +209,7 @@ class _Parser:
             try:
                 engine = {key: value for flag, (key, convert) in schema.SERVE_ENGINE_FLAGS.items()
                           if (value := checks.flag_value(argv, flag, convert)) is not None}
-            except checks.Invalid as err:
+            except ValueError as err:
                 raise self.error(table.key("serve"), str(err)) from None
             quantization = checks.flag_value(argv, "--quantization", str)
             if quantization is not None and quantization not in QUANTIZATION_METHODS:
