@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
 from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.run.lm_adapter import EngineLM, generation_budget, task_manager

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.run.corpus import load_text
 from pytest_fp8gate.tools.demo.planting import E4M3_MAX
 from pytest_fp8gate.tools.demo.run import DEMO_CONFIG

@@ -29,8 +29,8 @@ from typing import Any
 
 from validity import gaussian, stretched
 
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import GateConfig, ModelSpec
-from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.core.answers import compare_answers, invalid_rate, length_drift
 from pytest_fp8gate.core.decode_phase import DecodeRun, compare_decode
 from pytest_fp8gate.core.dumps import read_lm_eval_generations, read_lm_eval_samples

@@ -503,7 +503,7 @@ def _served(args: argparse.Namespace) -> list[str]:
     from load_null import null_lines, null_rounds
 
     from pytest_fp8gate.checkpoint import vocab_size_hint
-    from pytest_fp8gate.config.thresholds import load_config
+    from pytest_fp8gate.config.loader import load_config
 
     workdir = args.workdir / "served"
     workdir.mkdir(parents=True, exist_ok=True)

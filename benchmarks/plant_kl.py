@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import ModelSpec, ProbabilitySpec
-from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.core.logprobs import compare_logprobs
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
 from pytest_fp8gate.engines.vllm_engine import VllmEngine

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from pytest_fp8gate.atomic import atomic_write_text
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import GateConfig
-from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.logprobs import LogprobComparison
 from pytest_fp8gate.face.cases import needs_of

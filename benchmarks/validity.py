@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import PRECISION_PASSES, GateConfig, ModelSpec
-from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.answers import (
     AnswerRecord,

@@ -61,6 +61,11 @@ def header_bytes(path: Path) -> bytes:
         raise RooflineError(f"{path}: cannot read: {err}") from None
 
 
+def data_start(path: Path) -> int:
+    """Where a safetensors file's tensor data begins (the offsets in its header count from here)."""
+    return 8 + len(header_bytes(path))
+
+
 def read_header(path: Path) -> dict[str, dict]:
     """The JSON header of a safetensors file (tensor names, dtypes, shapes, offsets)."""
     try:
@@ -93,8 +98,8 @@ def kv_cache_scales(model_dir: Path) -> list[float]:
         scales = {name: info for name, info in header.items() if name.endswith(_KV_SCALE_ENDINGS)}
         if not scales:
             continue
+        start = data_start(shard)
         with shard.open("rb") as handle:
-            start = 8 + int.from_bytes(handle.read(8), "little")
             for name, info in sorted(scales.items()):
                 begin, end = info["data_offsets"]
                 handle.seek(start + begin)
@@ -137,11 +142,9 @@ def check_model_dir(model_dir: Path) -> dict[str, Any]:
 
 def _check_length(shard: Path, header: dict[str, Any]) -> None:
     # The header's data offsets say how long the file must be, so a truncated one shows here.
-    with shard.open("rb") as handle:
-        header_bytes = int.from_bytes(handle.read(8), "little")
     offsets = [info.get("data_offsets") for info in header.values() if isinstance(info, dict)]
     ends = [pair[1] for pair in offsets if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[1], int)]
-    needed = 8 + header_bytes + max(ends, default=0)
+    needed = data_start(shard) + max(ends, default=0)
     size = shard.stat().st_size
     if size < needed:
         raise CheckpointError(f"{shard}: truncated: {size} bytes, its header describes {needed}")

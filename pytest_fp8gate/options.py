@@ -42,8 +42,6 @@ class Settings:
         return self.config_source in (SOURCE_OPTION, SOURCE_INI)
 
 
-SETTINGS_KEY = pytest.StashKey[Settings]()
-
 
 def read_settings(config: pytest.Config) -> Settings:
     """Settings from the command line, else the environment or ini file, else defaults."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -93,15 +93,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if not _gate_asked_for(config):
         return
     from . import options
-    from .config.thresholds import ConfigError, load_config
+    from .config.loader import load_config
+    from .errors import ConfigError
     from .face import refusals, report_hooks
-    from .face.session import CONFIG_KEY
+    from .face.session import STATE_KEY, RunState
 
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; the gate's rule tests skip without one "
                             "unless --fp8gate-require-gpu")
     settings = options.read_settings(config)
-    config.stash[options.SETTINGS_KEY] = settings
-    config.stash[CONFIG_KEY] = None
+    state = config.stash[STATE_KEY] = RunState(settings)
     config.pluginmanager.register(_Gate(), _GATE_PLUGIN)
     config.pluginmanager.register(report_hooks.JsonReportMetadata(config), "fp8gate-json-report")
     config.pluginmanager.register(report_hooks.SessionReport(), "fp8gate-report")
@@ -117,7 +117,7 @@ def pytest_configure(config: pytest.Config) -> None:
             from .config.spec import with_request_deadline
 
             gate = with_request_deadline(gate, settings.request_deadline_s)
-        config.stash[CONFIG_KEY] = gate
+        state.config = gate
         refusals.check_not_distributed(config)
     refusals.check_toml_args(config, settings.config_path)
 
@@ -142,9 +142,9 @@ def fp8gate_config(pytestconfig: pytest.Config) -> GateConfig:
     """The loaded thresholds file (skips when the session has none)."""
     gate_config = None
     if pytestconfig.pluginmanager.has_plugin(_GATE_PLUGIN):
-        from .face.session import CONFIG_KEY
+        from .face.session import run_state
 
-        gate_config = pytestconfig.stash[CONFIG_KEY]
+        gate_config = run_state(pytestconfig).config
     if gate_config is None:
         pytest.skip("no fp8gate thresholds file (--fp8gate-config)")
     return gate_config
@@ -154,134 +154,72 @@ def fp8gate_config(pytestconfig: pytest.Config) -> GateConfig:
 def fp8gate(pytestconfig: pytest.Config, fp8gate_config: GateConfig,
             tmp_path_factory: pytest.TempPathFactory) -> GateSession:
     """The gate session: ``fp8gate.measurements.baseline()``, ``.candidate(name)``, ``.gate``."""
-    from .face.session import GateSession
-    from .options import SETTINGS_KEY
+    from .face.session import GateSession, run_state
 
-    artifacts = pytestconfig.stash[SETTINGS_KEY].artifacts or tmp_path_factory.mktemp("fp8gate-artifacts")
+    artifacts = run_state(pytestconfig).settings.artifacts or tmp_path_factory.mktemp("fp8gate-artifacts")
     artifacts.mkdir(parents=True, exist_ok=True)
     return GateSession(pytestconfig, fp8gate_config, artifacts)
 
 
 class _Gate:
-    """The hooks of a run that asked for the gate; each imports what it calls (already loaded by then)."""
+    """The hooks of a run that asked for the gate, each a delegation to its run state (face/session.py);
+    each imports what it calls (already loaded by then)."""
 
     @staticmethod
     def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
-        from .face.collect import ThresholdsFile
-        from .face.session import CONFIG_KEY
+        from .face.session import run_state
 
-        gate = parent.config.stash[CONFIG_KEY]
-        if gate is not None and file_path == gate.path:
-            return ThresholdsFile.from_parent(parent, path=file_path)
-        return None
+        return run_state(parent.config).collect_file(file_path, parent)
 
     @staticmethod
     def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-        from . import hardware
-        from .face import refusals
-        from .options import SETTINGS_KEY
+        from .face.session import run_state
 
-        # Only the gate's own rule tests: the user's other gpu-marked tests are theirs to skip.
-        # A skip mark (not pytest.skip in setup) reports the skip at the test's own location.
-        gpu_rules = [item for item in items if refusals.is_rule(item) and item.get_closest_marker("gpu")]
-        if not gpu_rules or config.stash[SETTINGS_KEY].require_gpu:
-            return
-        probe = hardware.probe_cuda()
-        if not probe.names:
-            skip = pytest.mark.skip(reason=f"no CUDA device visible ({probe.source})")
-            for item in gpu_rules:
-                item.add_marker(skip)
+        run_state(config).skip_gpu_rules_without_gpu(items)
 
     @staticmethod
     def pytest_deselected(items: list[pytest.Item]) -> None:
         from .face import refusals
+        from .face.session import run_state
 
         if items:
-            refusals.count_deselected(items[0].config, items)
+            refusals.count_deselected(run_state(items[0].config).tally, items)
 
     @staticmethod
     def pytest_collection_finish(session: pytest.Session) -> None:
-        from .face import refusals
-        from .face.cases import needs_of
-        from .face.session import CONFIG_KEY, NEEDS_KEY
-        from .judge.verdict import Case
-        from .options import SETTINGS_KEY
+        from .face.session import run_state
 
-        gate = session.config.stash[CONFIG_KEY]
-        if gate is not None:
-            refusals.check_selection(session, session.config.stash[SETTINGS_KEY], gate)
-            # What each engine measures follows the rule tests left after -k/-m deselection that will run.
-            cases = [cast(Case, item.callspec.params["case"]) for item in session.items
-                     if refusals.is_rule(item) and not item.get_closest_marker("skip")]
-            session.config.stash[NEEDS_KEY] = needs_of(cases)
+        run_state(session.config).finish_collection(session)
 
     @staticmethod
     def pytest_runtest_call(item: pytest.Item) -> None:
         from .face import refusals
+        from .face.session import run_state
 
-        refusals.record_call(item)
+        refusals.record_call(run_state(item.config).tally, item)
 
     @staticmethod
     @pytest.hookimpl(tryfirst=True)  # before fixtures, which may start an engine
     def pytest_runtest_setup(item: pytest.Item) -> None:
-        from . import hardware
-        from .face import refusals
-        from .options import SETTINGS_KEY
+        from .face.session import run_state
 
-        if not (refusals.is_rule(item) and item.get_closest_marker("gpu")) \
-                or not item.config.stash[SETTINGS_KEY].require_gpu:
-            return
-        probe = hardware.probe_cuda()
-        if not probe.names:
-            pytest.fail(
-                f"--fp8gate-require-gpu: no CUDA device visible ({probe.source}); "
-                "a deploy gate must never pass by skipping",
-                pytrace=False,
-            )
+        run_state(item.config).require_gpu(item)
 
     @staticmethod
     def pytest_report_header(config: pytest.Config) -> list[str]:
-        from . import hardware, options
-        from .engines import lifecycle
-        from .face.session import CONFIG_KEY
+        from .face.session import run_state
 
-        settings, gate = config.stash[options.SETTINGS_KEY], config.stash[CONFIG_KEY]
-        if gate is None:
-            lines = [f"fp8gate: no thresholds file (--fp8gate-config, or {DEFAULT_CONFIG_NAME} in rootdir)"]
-        else:
-            candidates = ", ".join(spec.name for spec in gate.candidates)
-            lines = [f"fp8gate: {options.display_path(gate.path)}: {gate.baseline.name} vs {candidates}"]
-        stale = lifecycle.stale_warning(settings.artifacts) if settings.artifacts else None
-        if stale:
-            lines.append(stale)
-        # Probing may import torch (seconds), so only when the gate is in use.
-        if gate is not None or settings.require_gpu:
-            probe = hardware.probe_cuda()
-            required = "; required" if settings.require_gpu else ""
-            lines.append(f"fp8gate GPUs: {', '.join(probe.names) or 'none visible'} ({probe.source}{required})")
-        return lines
+        return run_state(config).header_lines()
 
     @staticmethod
     def pytest_sessionfinish(session: pytest.Session) -> None:
-        from .face import refusals
-        from .face.session import CONFIG_KEY
-        from .options import SETTINGS_KEY
+        from .face.session import run_state
 
-        gate = session.config.stash[CONFIG_KEY]
-        if gate is not None:
-            refusals.check_gpu_ran(session, session.config.stash[SETTINGS_KEY], gate)
+        run_state(session.config).finish(session)
 
     @staticmethod
     def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-        from .face import refusals, report_hooks
-        from .face.session import VERDICTS_KEY
+        from .face import report_hooks
+        from .face.session import run_state
 
-        complaint = refusals.complaint(config)
-        if complaint:
-            terminalreporter.write_line(f"fp8gate: {complaint}", red=True, bold=True)
-        verdicts: list[Any] = config.stash.get(VERDICTS_KEY, [])
-        lines = (report_hooks.summary_lines(verdicts) if verdicts else []) + report_hooks.time_lines(config)
-        if lines:  # under their own heading, never run into the last failure's report
-            terminalreporter.write_sep("=", "fp8gate summary")
-            for line in lines:
-                terminalreporter.write_line(line)
+        report_hooks.terminal_summary(terminalreporter, run_state(config))

@@ -14,8 +14,8 @@ GSM8K format), wrong on the questions where the model's seed says so.
 
 ``fake_engine_class(models)`` returns an Engine subclass bound to those models,
 with a log of every call (``FakeEngine.calls``), to pass as
-``Measurements(engine_class=...)`` or through ``session.ENGINE_CLASS_KEY``; ``write_gate``
-writes a thresholds file the fake models answer.
+``Measurements(engine_class=...)`` or as the run state's ``engine_class`` (``session.run_state(config)``,
+set from a trylast ``pytest_configure``); ``write_gate`` writes a thresholds file the fake models answer.
 
 **Recorded measurements.** Engine-free measurements for the cache and report tests: real
 dumps and samples, made-up numbers, over a gate ``write_recorded_gate`` writes. Also run as a
@@ -39,8 +39,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import GateConfig, ModelSpec
-from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.core import capabilities, rules
 from pytest_fp8gate.core.dumps import write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.core.logprobs import LogprobRun

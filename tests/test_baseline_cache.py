@@ -179,10 +179,10 @@ def test_update_baseline_without_a_cache_is_a_usage_error(pytester: pytest.Pytes
 def test_cache_and_report_options_from_the_ini_file(pytester: pytest.Pytester):
     pytester.makeini("[pytest]\nfp8gate_baseline_cache = ci/cache\nfp8gate_report = out/gate.md\n")
     pytester.makepyfile("""
-        from pytest_fp8gate.options import SETTINGS_KEY
+        from pytest_fp8gate.face.session import run_state
 
         def test_settings(pytestconfig):
-            settings = pytestconfig.stash[SETTINGS_KEY]
+            settings = run_state(pytestconfig).settings
             assert settings.baseline_cache == pytestconfig.rootpath / "ci" / "cache"
             assert settings.report == pytestconfig.rootpath / "out" / "gate.md"
             assert not settings.update_baseline
@@ -289,10 +289,10 @@ def test_the_compile_cache_defaults_to_a_folder_in_the_baseline_cache(
     else:
         monkeypatch.setenv("VLLM_CACHE_ROOT", env)
     pytester.makepyfile(f"""
-        from pytest_fp8gate.options import SETTINGS_KEY
+        from pytest_fp8gate.face.session import run_state
 
         def test_settings(pytestconfig):
-            found = pytestconfig.stash[SETTINGS_KEY].compile_cache
+            found = run_state(pytestconfig).settings.compile_cache
             expected = {expected!r}
             assert found == (None if expected is None else pytestconfig.rootpath / expected)
     """)

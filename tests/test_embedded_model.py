@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from pytest_fp8gate.config.thresholds import load_config  # noqa: E402
+from pytest_fp8gate.config.loader import load_config  # noqa: E402
 from pytest_fp8gate.engines.vllm_engine import VllmEngine  # noqa: E402
 from pytest_fp8gate.errors import IdScoringUnavailable  # noqa: E402
 from pytest_fp8gate.tools.demo.run import DEMO_CONFIG  # noqa: E402
@@ -103,7 +103,7 @@ def test_deterministic_scheduling_runs_the_engine_core_in_process() -> None:
     # A subprocess: vLLM caches its environment for the whole process once an in-process core starts.
     script = textwrap.dedent("""
         import multiprocessing
-        from pytest_fp8gate.config.thresholds import load_config
+        from pytest_fp8gate.config.loader import load_config
         from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
         from pytest_fp8gate.engines.vllm_engine import VllmEngine
         config = load_config(DEMO_CONFIG)
@@ -129,7 +129,7 @@ def test_an_engine_compiles_into_the_kept_compile_cache(tmp_path: Path) -> None:
     kept = tmp_path / "vllm-cache"
     script = textwrap.dedent(f"""
         import dataclasses
-        from pytest_fp8gate.config.thresholds import load_config
+        from pytest_fp8gate.config.loader import load_config
         from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
         from pytest_fp8gate.engines.vllm_engine import VllmEngine
         from pytest_fp8gate.engines.vllm_engine import applied_env

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from pytest_fp8gate.config import engine_args
-from pytest_fp8gate.config.thresholds import ConfigError, load_config
+from pytest_fp8gate.config.loader import load_config
+from pytest_fp8gate.errors import ConfigError
 from test_thresholds import MINIMAL
 
 MODELS = MINIMAL
@@ -124,7 +125,7 @@ def test_vllm_is_imported_only_for_a_key_the_gate_does_not_know(tmp_path, table,
     import sys
 
     (tmp_path / "thresholds.toml").write_text(MODELS + table, encoding="utf-8")
-    code = ("import sys; from pytest_fp8gate.config.thresholds import load_config; load_config(sys.argv[1]); "
+    code = ("import sys; from pytest_fp8gate.config.loader import load_config; load_config(sys.argv[1]); "
             "print('vllm' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "thresholds.toml")],
                           capture_output=True, text=True, check=True)
@@ -132,6 +133,6 @@ def test_vllm_is_imported_only_for_a_key_the_gate_does_not_know(tmp_path, table,
 
 
 def test_the_gates_own_engine_keys_are_fields_of_the_installed_vllm():
-    from pytest_fp8gate.config.thresholds import _ENGINE_RANGES
+    from pytest_fp8gate.config.schema import ENGINE_RANGES
 
-    assert set(_ENGINE_RANGES) <= set(engine_args.engine_fields())
+    assert set(ENGINE_RANGES) <= set(engine_args.engine_fields())

@@ -64,7 +64,7 @@ def test_usage_errors_are_what_the_user_gave() -> None:
 ENFORCE_TEST = """
 import pytest
 from pytest_fp8gate import errors
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.judge.verdict import Case
 from pytest_fp8gate.face.session import GateSession
 

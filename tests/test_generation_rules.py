@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fakes import GENERATION_RULES, FakeModel, fake_engine_class, write_gate
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.errors import ConfigError
 from pytest_fp8gate.face.cases import cases_for

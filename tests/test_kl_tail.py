@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fakes import FakeModel, fake_engine_class, write_gate
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import logprobs
 from pytest_fp8gate.face.cases import cases_for
 from pytest_fp8gate.judge.gate import Gate

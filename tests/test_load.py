@@ -14,8 +14,8 @@ import transformers  # noqa: F401
 import vllm.envs  # noqa: F401
 
 from fake_endpoint import FakeEndpoint, Knobs
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import CPU_MIN_THROUGHPUT_FRACTION
-from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.rules import LoadLevel, throughput_under_load
 from pytest_fp8gate.engines.load import bench_prompt_ids

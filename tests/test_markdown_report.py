@@ -168,15 +168,15 @@ def test_rule_numbers_land_in_junit_properties(pytester: pytest.Pytester, family
 
 SESSION_TEST = """
 from pytest_fp8gate.core import rules
-from pytest_fp8gate.config.thresholds import load_config
-from pytest_fp8gate.face.session import VERDICTS_KEY, GateSession
+from pytest_fp8gate.config.loader import load_config
+from pytest_fp8gate.face.session import GateSession, run_state
 from pytest_fp8gate.judge.verdict import Case, Verdict
 
 def test_rule(pytestconfig, tmp_path):
     # What the fp8gate fixture and GateSession.enforce leave behind, without an engine.
     GateSession(pytestconfig, load_config({config!r}), tmp_path)
     verdict = Verdict(Case("mean_kl", "fp8"), rules.at_most("mean_kl", 0.002, 0.01, 0.001))
-    pytestconfig.stash.setdefault(VERDICTS_KEY, []).append(verdict)
+    run_state(pytestconfig).verdicts.append(verdict)
 """
 
 

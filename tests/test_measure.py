@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fakes import FIELDS_0_33, MODELS, QUESTIONS, FakeModel, fake_engine_class, write_gate
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core.logprobs import TOPK_KL
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
 from pytest_fp8gate.engines.vllm_engine import IN_PROCESS_ENV, VllmEngine

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fakes import thresholds_text
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.judge.gate import _roofline
 from pytest_fp8gate.run.preflight import parallelism_problem
 from pytest_fp8gate.run.record import ModelResult, Needs, PassResult

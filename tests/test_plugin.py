@@ -213,12 +213,11 @@ def test_missing_config_given_on_the_command_line(pytester: pytest.Pytester):
 
 
 STASH_PROBE = """
-from pytest_fp8gate.options import SETTINGS_KEY
-from pytest_fp8gate.face.session import CONFIG_KEY
+from pytest_fp8gate.face.session import STATE_KEY
 
 def test_stash(request):
-    gate = request.config.stash.get(CONFIG_KEY, None)  # a run without the gate stashes nothing
-    settings = request.config.stash.get(SETTINGS_KEY, None)
+    state = request.config.stash.get(STATE_KEY, None)  # a run without the gate stashes nothing
+    gate, settings = (None, None) if state is None else (state.config, state.settings)
     print("GATE", None if gate is None else (gate.path.name, gate.baseline.name, gate.candidates[0].name))
     print("ARTIFACTS", None if settings is None else settings.artifacts)
 """

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fakes import FakeModel, fake_engine_class, logprob_run, thresholds_text, write_gate
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.buckets import bucket_label, buckets_of, chunk_positions, sequence_positions
 from pytest_fp8gate.core.logprobs import LogprobRun, compare_logprobs

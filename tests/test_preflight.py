@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from fakes import thresholds_text
-from pytest_fp8gate.config.thresholds import ConfigError, load_config
+from pytest_fp8gate.config.loader import load_config
+from pytest_fp8gate.errors import ConfigError
 
 GATE = thresholds_text('[probabilities]\ncorpus = "{corpus}"\n[probabilities.limits]\nmax_mean_kl = 0.1',
                        model="{base}", candidate='model = "{cand}"\nquantization = "{quantization}"\n{engine}')

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import WIKITEXT_2
-from pytest_fp8gate.config.thresholds import load_config
 
 README = Path(__file__).parent.parent / "README.md"
 

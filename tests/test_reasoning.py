@@ -15,8 +15,8 @@ from lm_eval.models.utils import postprocess_generated_text
 
 from fake_endpoint import FakeEndpoint, Knobs
 from fakes import THINK_END, THINKING, FakeModel, fake_engine_class, write_gate
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import ModelSpec, ServedSpec, TaskSpec
-from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.answers import final_answer, thinking_lengths
 from pytest_fp8gate.core.dumps import FINISH_REASON, THINKING_CHARS

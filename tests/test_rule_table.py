@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fakes import TASK, fake_baseline, logprob_run, make_measurements, sample_rows, write_pass, write_recorded_gate
-from pytest_fp8gate.config import thresholds as config_module
+from pytest_fp8gate.config import schema
 from pytest_fp8gate.config.spec import DecodeLimits, LoadSpec, ProbabilityLimits, SpeculativeSpec, SpeedSpec, TaskLimits
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.logprobs import LogprobComparison
@@ -41,7 +41,7 @@ def test_each_row_names_what_judges_it_and_its_limit() -> None:
             assert rule.se_field in comparison_fields, rule
         else:  # decided by its judge, on the evidence Gate's method of its name gathers (Gate._judges)
             assert callable(rule.judge) and callable(getattr(Gate, rule.name)), rule
-    assert config_module._PROBABILITY_METRIC_LIMITS == tuple(
+    assert schema.PROBABILITY_METRIC_LIMITS == tuple(
         rule.limit_key for rule in rules.RULES if rule.kind == "probability")
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fakes import thresholds_text
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core.dumps import SAMPLES_RUN_ID, write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.core.logprobs import LogprobRun, check_vocabulary
 from pytest_fp8gate.errors import ComparisonError

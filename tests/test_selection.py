@@ -11,7 +11,7 @@ import torch  # noqa: F401
 import transformers  # noqa: F401
 
 from fakes import MODELS, FakeEngine, fake_engine_class, write_gate
-from pytest_fp8gate.face.session import ENGINE_CLASS_KEY
+from pytest_fp8gate.face.session import run_state
 
 # Imported above, in this process, what lm-eval imports when it runs: pytester's in-process runs
 # unload what they import, and neither datasets (pyarrow keeps its extension types) nor torch
@@ -24,8 +24,9 @@ class UseEngine:
     def __init__(self, engine_class: type[FakeEngine]) -> None:
         self.engine_class = engine_class
 
+    @pytest.hookimpl(trylast=True)  # after the gate's own, which stashes the run state
     def pytest_configure(self, config: pytest.Config) -> None:
-        config.stash[ENGINE_CLASS_KEY] = self.engine_class
+        run_state(config).engine_class = self.engine_class
 
 
 @pytest.fixture

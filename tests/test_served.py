@@ -20,8 +20,8 @@ import torch  # noqa: F401
 import transformers  # noqa: F401
 
 from fake_endpoint import FakeEndpoint, Knobs
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.served import redact_url
-from pytest_fp8gate.config.thresholds import load_config
 from pytest_fp8gate.engines import server_process
 from pytest_fp8gate.engines.http_client import EndpointClient
 from pytest_fp8gate.errors import ConfigError, EndpointError

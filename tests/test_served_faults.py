@@ -82,8 +82,8 @@ def _gate(pytester: pytest.Pytester, base: Knobs, cand: Knobs, *args: str, base_
 # ---- the deadline's settings ---------------------------------------------------------
 
 def test_the_deadline_is_a_served_model_s_setting_and_the_option_sets_every_one(tmp_path: Path):
+    from pytest_fp8gate.config.loader import load_config
     from pytest_fp8gate.config.spec import with_request_deadline
-    from pytest_fp8gate.config.thresholds import load_config
 
     path = _config(tmp_path, _keyed("http://127.0.0.1:1") + "\nrequest_deadline_s = 30",
                    _keyed("http://127.0.0.1:2", "served-fp8"))

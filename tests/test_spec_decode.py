@@ -14,7 +14,7 @@ import transformers  # noqa: F401
 import vllm.envs  # noqa: F401
 
 from fake_endpoint import FakeEndpoint, Knobs
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules, spec_decode
 from pytest_fp8gate.core.spec_decode import Reading, SpecDecodeCounts, Window
 from pytest_fp8gate.errors import CacheEntryError, ConfigError

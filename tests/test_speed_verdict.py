@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.config.thresholds import ConfigError, load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core.roofline import decode_context_tokens, estimate_from_path
 from pytest_fp8gate.engines.base import Latency, timed_latency
-from pytest_fp8gate.errors import GateError
+from pytest_fp8gate.errors import ConfigError, GateError
 from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.verdict import Case
 from pytest_fp8gate.options import display_path

@@ -89,7 +89,7 @@ import json, os, sys
 from dataclasses import replace
 from pathlib import Path
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
 from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.tools.fp8_writer import write_fp8_checkpoint

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from fakes import thresholds_text
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import (
     WIKITEXT_2,
     DatasetCorpus,
@@ -15,7 +16,7 @@ from pytest_fp8gate.config.spec import (
     SpeedSpec,
     TaskLimits,
 )
-from pytest_fp8gate.config.thresholds import ConfigError, load_config
+from pytest_fp8gate.errors import ConfigError
 
 REPO_THRESHOLDS = Path(__file__).parent.parent / "thresholds.toml"
 

@@ -11,7 +11,7 @@ import pytest
 
 from fake_endpoint import FakeEndpoint, Knobs
 from fakes import FakeModel, fake_engine_class, write_gate
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.dumps import FINISH_REASON
 from pytest_fp8gate.errors import GateError

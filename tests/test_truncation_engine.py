@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.face.cases import needs_of
 from pytest_fp8gate.judge.gate import Gate

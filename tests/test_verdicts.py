@@ -9,7 +9,7 @@ import pytest
 
 from fakes import GENERATION_RULES, MODELS, fake_engine_class, write_gate
 from pytest_fp8gate import hardware
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core.rules import BY_TEST, RECOVERY, TRUNCATION
 from pytest_fp8gate.face import cases, suite
 from pytest_fp8gate.judge.gate import Gate

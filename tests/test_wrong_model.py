@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fakes import FakeModel, fake_engine_class, write_gate
-from pytest_fp8gate.config.thresholds import load_config
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.logprobs import TOPK_KL
 from pytest_fp8gate.face import cases

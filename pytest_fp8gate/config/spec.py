@@ -1,4 +1,4 @@
-"""The thresholds file's schema: frozen dataclasses that thresholds.py fills and validates.
+"""The thresholds file's schema: frozen dataclasses that loader.py fills (checks.py validates the values).
 
 Field defaults are the documented defaults (docs/thresholds.md); the loader
 reads an absent key as its field's default.

@@ -25,13 +25,12 @@ ALLOW_NO_RULES = "--fp8gate-allow-no-rules"
 
 @dataclass
 class RuleTally:
+    """The run's rule tests as the refusals count them (kept in the run state, face/session.py)."""
+
     deselected: int = 0
     gpu_rules: set[str] = field(default_factory=set)  # node ids of the selected rules marked gpu
     ran_on_gpu: int = 0
     complaint: str | None = None  # shown in the terminal summary
-
-
-TALLY_KEY = pytest.StashKey[RuleTally]()
 
 
 def is_rule(item: pytest.Item) -> TypeGuard[pytest.Function]:
@@ -59,13 +58,12 @@ def check_not_distributed(config: pytest.Config) -> None:
                                 "its own baseline engine on the same GPU; run the gate without -n")
 
 
-def count_deselected(config: pytest.Config, items: list[pytest.Item]) -> None:
-    config.stash.setdefault(TALLY_KEY, RuleTally()).deselected += sum(map(is_rule, items))
+def count_deselected(tally: RuleTally, items: list[pytest.Item]) -> None:
+    tally.deselected += sum(map(is_rule, items))
 
 
-def check_selection(session: pytest.Session, settings: Settings, gate: GateConfig) -> None:
+def check_selection(session: pytest.Session, settings: Settings, gate: GateConfig, tally: RuleTally) -> None:
     """Raise UsageError when the run selected no rule test and that is not allowed."""
-    tally = session.config.stash.setdefault(TALLY_KEY, RuleTally())
     rules = [item for item in session.items if is_rule(item)]
     tally.gpu_rules = {item.nodeid for item in rules if item.get_closest_marker("gpu")}
     if rules or settings.allow_no_rules or session.config.getoption("collectonly"):
@@ -83,20 +81,18 @@ def check_selection(session: pytest.Session, settings: Settings, gate: GateConfi
     tally.complaint = f"this run gated nothing: {message}"
 
 
-def record_call(item: pytest.Item) -> None:
+def record_call(tally: RuleTally, item: pytest.Item) -> None:
     """A rule test's body is about to run (its setup, GPU check included, passed)."""
-    tally = item.config.stash.get(TALLY_KEY, None)
-    if tally is not None and item.nodeid in tally.gpu_rules:
+    if item.nodeid in tally.gpu_rules:
         tally.ran_on_gpu += 1
 
 
-def check_gpu_ran(session: pytest.Session, settings: Settings, gate: GateConfig) -> None:
+def check_gpu_ran(session: pytest.Session, settings: Settings, gate: GateConfig, tally: RuleTally) -> None:
     """With --fp8gate-require-gpu, fail a session in which no rule test ran on a GPU."""
-    tally = session.config.stash.get(TALLY_KEY, None)
     # Only a session that ran to the end: not a usage error or an interrupted one.
     finished = session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED,
                                       pytest.ExitCode.NO_TESTS_COLLECTED)
-    if not (settings.require_gpu and finished) or tally is None or tally.ran_on_gpu \
+    if not (settings.require_gpu and finished) or tally.ran_on_gpu \
             or session.config.getoption("collectonly"):
         return
     if not tally.gpu_rules:
@@ -108,8 +104,3 @@ def check_gpu_ran(session: pytest.Session, settings: Settings, gate: GateConfig)
     tally.complaint = f"--fp8gate-require-gpu: no rule ran on a GPU ({why})"
     if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-def complaint(config: pytest.Config) -> str | None:
-    tally = config.stash.get(TALLY_KEY, None)
-    return tally.complaint if tally is not None else None

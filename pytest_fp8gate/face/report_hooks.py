@@ -11,9 +11,9 @@ import pytest
 
 from .. import timing
 from ..judge.verdict import Case, Verdict
-from ..options import SETTINGS_KEY, display_path
+from ..options import display_path
 from ..report import markdown_report
-from .session import SESSION_KEY, VERDICT_KEY, VERDICTS_KEY, GateSession
+from .session import VERDICT_KEY, GateSession, RunState, run_state
 
 
 def summary_lines(verdicts: list[Verdict]) -> list[str]:
@@ -54,17 +54,27 @@ class JsonReportMetadata:
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_json_modifyreport(self, json_report: dict[str, Any]) -> None:
-        gate_session = self.config.stash.get(SESSION_KEY, None)
+        gate_session = run_state(self.config).session
         if gate_session is not None:
             json_report["fp8gate"] = {"time": gate_session.measurements.time.as_dict()}
 
 
-def time_lines(config: pytest.Config) -> list[str]:
+def time_lines(gate_session: GateSession | None) -> list[str]:
     """Where the gate session's wall time went, a line per model (none without a gate session)."""
-    gate_session = config.stash.get(SESSION_KEY, None)
     if gate_session is None:
         return []
     return [f"fp8gate time: {line}" for line in timing.summary_lines(gate_session.measurements.time)]
+
+
+def terminal_summary(terminalreporter: pytest.TerminalReporter, state: RunState) -> None:
+    """What stopped the run from gating, the verdicts' table and the time lines, under one heading."""
+    if state.tally.complaint:
+        terminalreporter.write_line(f"fp8gate: {state.tally.complaint}", red=True, bold=True)
+    lines = (summary_lines(state.verdicts) if state.verdicts else []) + time_lines(state.session)
+    if lines:  # under their own heading, never run into the last failure's report
+        terminalreporter.write_sep("=", "fp8gate summary")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def report_data(session: GateSession, verdicts: list[Verdict],
@@ -110,15 +120,15 @@ class SessionReport:
         yield
 
     def _write_report(self, config: pytest.Config) -> None:
-        gate_session = config.stash.get(SESSION_KEY, None)
-        path = config.stash[SETTINGS_KEY].report
+        state = run_state(config)
+        gate_session, path = state.session, state.settings.report
         if hasattr(config, "workerinput") or gate_session is None:
             return
         if path is None and not os.environ.get("GITHUB_STEP_SUMMARY"):
             return
         try:
             with gate_session.measurements.time.span(timing.GATE, "reporting"):  # up to the table's writing
-                data = report_data(gate_session, config.stash.get(VERDICTS_KEY, []), self.unjudged)
+                data = report_data(gate_session, state.verdicts, self.unjudged)
                 self.written = markdown_report.write(data, path)
         except Exception as err:  # a report problem must not hide the verdicts or change the exit status
             self.error = f"{type(err).__name__}: {err}"

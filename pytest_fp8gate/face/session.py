@@ -1,12 +1,14 @@
-"""The gate's session: its stash keys and the GateSession (plugin.py's fixtures hand it to tests)."""
+"""The gate's session: the run state (one stash key) and the GateSession (plugin.py's fixtures hand it to tests)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import pytest
 
-from .. import timing
+from .. import DEFAULT_CONFIG_NAME, hardware, timing
 from ..config.spec import GateConfig
 from ..engines import lifecycle
 from ..engines.base import Engine
@@ -14,17 +16,95 @@ from ..engines.vllm_engine import VllmEngine
 from ..errors import Fp8GateError
 from ..judge.gate import Gate
 from ..judge.verdict import Case, Verdict
-from ..options import SETTINGS_KEY
+from ..options import Settings, display_path
 from ..run.measure import Measurements
 from ..run.record import Needs
+from . import refusals
+from .cases import needs_of
+from .collect import ThresholdsFile
 
-CONFIG_KEY = pytest.StashKey[GateConfig | None]()  # the loaded thresholds, None without a file
-NEEDS_KEY = pytest.StashKey[dict[str, Needs]]()
-VERDICTS_KEY = pytest.StashKey[list[Verdict]]()
 VERDICT_KEY = pytest.StashKey[Verdict]()  # on each rule item, for the JSON report
-SESSION_KEY = pytest.StashKey["GateSession"]()  # for the report written at session end
-# What starts the engines: vLLM's, unless a plugin stands another in (the tests' fake engine).
-ENGINE_CLASS_KEY = pytest.StashKey[type[Engine]]()
+
+
+@dataclass
+class RunState:
+    """What one pytest run that asked for the gate keeps, under one stash key (STATE_KEY), as syrupy keeps
+    its SnapshotSession: plugin.py's hooks delegate to its methods."""
+
+    settings: Settings
+    config: GateConfig | None = None  # the loaded thresholds, None without a file
+    # What starts the engines: vLLM's, unless a plugin stands another in (the tests' fake engine) from a
+    # pytest_configure that runs after the gate's (trylast).
+    engine_class: type[Engine] = VllmEngine
+    needs: dict[str, Needs] = field(default_factory=dict)  # what each engine measures, from the selected rules
+    tally: refusals.RuleTally = field(default_factory=refusals.RuleTally)
+    verdicts: list[Verdict] = field(default_factory=list)
+    session: GateSession | None = None  # opened by the fp8gate fixture; the reports read it at session end
+
+    def collect_file(self, file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+        if self.config is not None and file_path == self.config.path:
+            return ThresholdsFile.from_parent(parent, path=file_path)
+        return None
+
+    def skip_gpu_rules_without_gpu(self, items: list[pytest.Item]) -> None:
+        # Only the gate's own rule tests: the user's other gpu-marked tests are theirs to skip.
+        # A skip mark (not pytest.skip in setup) reports the skip at the test's own location.
+        gpu_rules = [item for item in items if refusals.is_rule(item) and item.get_closest_marker("gpu")]
+        if not gpu_rules or self.settings.require_gpu:
+            return
+        probe = hardware.probe_cuda()
+        if not probe.names:
+            skip = pytest.mark.skip(reason=f"no CUDA device visible ({probe.source})")
+            for item in gpu_rules:
+                item.add_marker(skip)
+
+    def finish_collection(self, session: pytest.Session) -> None:
+        if self.config is not None:
+            refusals.check_selection(session, self.settings, self.config, self.tally)
+            # What each engine measures follows the rule tests left after -k/-m deselection that will run.
+            cases = [cast(Case, item.callspec.params["case"]) for item in session.items
+                     if refusals.is_rule(item) and not item.get_closest_marker("skip")]
+            self.needs = needs_of(cases)
+
+    def require_gpu(self, item: pytest.Item) -> None:
+        if not (refusals.is_rule(item) and item.get_closest_marker("gpu")) or not self.settings.require_gpu:
+            return
+        probe = hardware.probe_cuda()
+        if not probe.names:
+            pytest.fail(
+                f"--fp8gate-require-gpu: no CUDA device visible ({probe.source}); "
+                "a deploy gate must never pass by skipping",
+                pytrace=False,
+            )
+
+    def header_lines(self) -> list[str]:
+        settings, gate = self.settings, self.config
+        if gate is None:
+            lines = [f"fp8gate: no thresholds file (--fp8gate-config, or {DEFAULT_CONFIG_NAME} in rootdir)"]
+        else:
+            candidates = ", ".join(spec.name for spec in gate.candidates)
+            lines = [f"fp8gate: {display_path(gate.path)}: {gate.baseline.name} vs {candidates}"]
+        stale = lifecycle.stale_warning(settings.artifacts) if settings.artifacts else None
+        if stale:
+            lines.append(stale)
+        # Probing may import torch (seconds), so only when the gate is in use.
+        if gate is not None or settings.require_gpu:
+            probe = hardware.probe_cuda()
+            required = "; required" if settings.require_gpu else ""
+            lines.append(f"fp8gate GPUs: {', '.join(probe.names) or 'none visible'} ({probe.source}{required})")
+        return lines
+
+    def finish(self, session: pytest.Session) -> None:
+        if self.config is not None:
+            refusals.check_gpu_ran(session, self.settings, self.config, self.tally)
+
+
+STATE_KEY = pytest.StashKey[RunState]()
+
+
+def run_state(config: pytest.Config) -> RunState:
+    """The run state of a run that asked for the gate (stashed by plugin.py's pytest_configure)."""
+    return config.stash[STATE_KEY]
 
 
 class GateSession:
@@ -41,19 +121,19 @@ class GateSession:
             with capture.global_and_fixture_disabled():
                 reporter.write_line(line)
 
-        settings = config.stash[SETTINGS_KEY]
+        self.state = run_state(config)
+        settings = self.state.settings
         cache = None
         if settings.baseline_cache is not None:
             from ..run.baseline_cache import BaselineCache
 
             cache = BaselineCache(settings.baseline_cache, settings.update_baseline, announce)
-        self.config = config
         self.artifacts = artifacts
         lifecycle.watch(artifacts)
-        self.measurements = Measurements(gate_config, artifacts, config.stash.get(NEEDS_KEY, {}), announce, cache,
-                                         config.stash.get(ENGINE_CLASS_KEY, VllmEngine), settings.compile_cache)
+        self.measurements = Measurements(gate_config, artifacts, self.state.needs, announce, cache,
+                                         self.state.engine_class, settings.compile_cache)
         self.gate = Gate(gate_config, self.measurements)
-        config.stash[SESSION_KEY] = self
+        self.state.session = self
 
     def evaluate(self, case: Case) -> Verdict:
         # Judging charges comparing; the measuring a rule starts charges its own spans.
@@ -71,7 +151,6 @@ class GateSession:
         if reason is not None:  # failed outside the except block, so no "During handling" chain is shown
             pytest.fail(reason, pytrace=False)
         item.stash[VERDICT_KEY] = verdict
-        self.config.stash.setdefault(VERDICTS_KEY, []).append(verdict)
+        self.state.verdicts.append(verdict)
         if not verdict.passed:
             pytest.fail(verdict.explain(), pytrace=False)
-

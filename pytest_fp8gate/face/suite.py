@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 
 from .cases import cases_for
-from .session import CONFIG_KEY, GateSession
+from .session import GateSession, run_state
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "case" in metafunc.fixturenames:
-        config = metafunc.config.stash[CONFIG_KEY]
+        config = run_state(metafunc.config).config
         metafunc.parametrize("case", cases_for(metafunc.function.__name__, config) if config else [])
 
 

@@ -1,6 +1,6 @@
 """Checks of the machine the rules run on, made just before the session's first engine starts.
 
-The thresholds file itself is checked at load (thresholds.py). These run only once
+The thresholds file itself is checked at load (config/loader.py). These run only once
 a rule needs a model, so a project's unit tests beside its thresholds file do
 not fail on them, and a missing GPU under --fp8gate-require-gpu is reported first.
 """

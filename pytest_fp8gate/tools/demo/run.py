@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ...config.thresholds import tomllib
+from ...config.loader import tomllib
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "thresholds.toml"
 SMOLLM2_CONFIG = Path(__file__).resolve().parent / "smollm2.toml"
@@ -170,7 +170,7 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda
     builds = demo_builds(source, workdir / "checkpoints", checkpoints or cuda, real_model)
     text = demo_config_text(plants, builds, cuda, questions, source if real_model else None)
     if serve:  # issue 20: the same models, each loaded (merged, resolved) and then served
-        from ...config.thresholds import load_config
+        from ...config.loader import load_config
         from .served_demo import served_config
 
         draft = workdir / "thresholds.in-process.toml"
