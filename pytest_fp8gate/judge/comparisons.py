@@ -225,7 +225,6 @@ class Comparisons:
             self._decode_gaps[name] = self._compare("baseline decode vs prefill", result.own, result.own_prefill)
         return self._decode_gaps[name]
 
-
     def _baseline_decode(self) -> DecodeResult:
         decode = self.baseline().decode
         assert decode is not None  # measured where a decode rule runs

@@ -310,14 +310,14 @@ class Measurements:
                 assert self.config.probabilities is not None
                 with self.time.span(timing.GATE, "tokenizing the corpus"):
                     self._chunks = corpus_mod.chunk_corpus(engine, self.config.probabilities, self.config.path)
-            result = self._measure_with(engine, spec, needs, None)
+            result = self._measure_with(engine, spec, needs, base=None)
             # Built once the main pass is there: the noise passes score the baseline's top-k ids on it.
             record = BaselineRecord(result, self._chunks, [])
             if BATCH_ORDER_PASS in passes:
                 result.noise[BATCH_ORDER_PASS] = self._passes(engine, spec, needs, BATCH_ORDER_PASS, record,
                                                               BATCH_ORDER)
             # After the passes without it, so that what it leaves in the prefix cache changes none of them.
-            self._measure_decode(engine, result, needs, None)
+            self._measure_decode(engine, result, needs, baseline=None)
             if BATCH_ORDER_PASS in passes:
                 self._decode_floor(engine, needs, record, BATCH_ORDER_PASS, BATCH_ORDER)
             self._measure_load(engine, result, needs)
@@ -451,7 +451,7 @@ class Measurements:
         """In top-k mode, add this run's log-probs on the baseline's top-k ids where the engine can.
 
         Without them the KL partition only knows the baseline ids that also
-        made this model's own top-k.
+        made this model's own top-k. A refusal is kept on ``record``: no later pass asks again.
         """
         base = record.result.main.logprobs if record is not None else None
         if record is None or base is None or run.full_logprobs is not None or record.id_scoring_refusal is not None:
