@@ -297,3 +297,21 @@ def test_the_compile_cache_defaults_to_a_folder_in_the_baseline_cache(
             assert found == (None if expected is None else pytestconfig.rootpath / expected)
     """)
     pytester.runpytest(*args).assert_outcomes(passed=1)
+
+
+# Record fields that record.json does not hold: the spec and the cache's own marks come from the fetch,
+# the speed look-ups are made again for the checkout that restores the entry.
+NOT_STORED = {"result", "origin", "cached", "result.spec", "result.memory_bandwidth", "result.weights",
+              "result.bandwidth_warning", "result.served_otherwise"}
+
+
+def test_every_record_field_has_a_row_in_the_cache_s_field_table_or_is_named_as_not_stored():
+    from dataclasses import fields
+
+    from pytest_fp8gate.run.baseline_cache import _FIELDS
+    from pytest_fp8gate.run.record import BaselineRecord, ModelResult
+
+    record = {f.name for f in fields(BaselineRecord)} | {f"result.{f.name}" for f in fields(ModelResult)}
+    stored = [field.attribute for field in _FIELDS]
+    assert len(stored) == len(set(stored))
+    assert set(stored) == record - NOT_STORED

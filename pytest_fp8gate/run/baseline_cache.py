@@ -467,8 +467,8 @@ class _Field:
     optional: bool = False
 
 
-# What record.json holds of a BaselineRecord, in the file's order. ModelResult's speed look-ups and
-# served_otherwise are not stored: they are looked up again for this checkout.
+# What record.json holds of a BaselineRecord, in the file's order. Not stored: ModelResult's speed look-ups
+# (made again for this checkout, measure._look_up_speed_inputs) and served_otherwise.
 _FIELDS = (
     _Field("result.main", "main", _write_pass, _read_pass),
     _Field("result.noise", "noise", _write_passes, _read_passes),
