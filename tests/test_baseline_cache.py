@@ -55,11 +55,11 @@ def test_cold_then_warm_restores_every_pass_without_measuring(gate: Path, tmp_pa
     warm, measured = fetch(gate, tmp_path / "cache", tmp_path / "run2", lines)
     assert not measured and warm.cached
     assert "measured 2026-12-01T09:00:00+00:00" in warm.origin and "no baseline engine started" in warm.origin
-    assert set(warm.noise) == {"batch-order", "fp16"}
+    assert set(warm.result.noise) == {"batch-order", "fp16"}
     np.testing.assert_array_equal(warm.result.main.logprobs.full_logprobs, cold.result.main.logprobs.full_logprobs)
     # Restored into this run's artifacts, so the report's recompute commands work there.
     assert warm.result.main.samples[TASK] == tmp_path / "run2" / "bf16" / "main" / f"samples_{TASK}.jsonl"
-    assert warm.noise["fp16"].samples[TASK].read_bytes() == cold.noise["fp16"].samples[TASK].read_bytes()
+    assert warm.result.noise["fp16"].samples[TASK].read_bytes() == cold.result.noise["fp16"].samples[TASK].read_bytes()
     assert (tmp_path / "run2" / "bf16" / "fp16" / f"results_{TASK}.json").is_file()
     assert warm.chunks == [[1, 2, 3]] and warm.result.kv_cache_tokens == 4096
     assert warm.engine_runs[0]["duration_s"] == 12.5
@@ -297,3 +297,21 @@ def test_the_compile_cache_defaults_to_a_folder_in_the_baseline_cache(
             assert found == (None if expected is None else pytestconfig.rootpath / expected)
     """)
     pytester.runpytest(*args).assert_outcomes(passed=1)
+
+
+# Record fields that record.json does not hold: the spec and the cache's own marks come from the fetch,
+# the speed look-ups are made again for the checkout that restores the entry.
+NOT_STORED = {"result", "origin", "cached", "result.spec", "result.memory_bandwidth", "result.weights",
+              "result.bandwidth_warning", "result.served_otherwise"}
+
+
+def test_every_record_field_has_a_row_in_the_cache_s_field_table_or_is_named_as_not_stored():
+    from dataclasses import fields
+
+    from pytest_fp8gate.run.baseline_cache import _FIELDS
+    from pytest_fp8gate.run.record import BaselineRecord, ModelResult
+
+    record = {f.name for f in fields(BaselineRecord)} | {f"result.{f.name}" for f in fields(ModelResult)}
+    stored = [field.attribute for field in _FIELDS]
+    assert len(stored) == len(set(stored))
+    assert set(stored) == record - NOT_STORED

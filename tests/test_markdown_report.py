@@ -18,6 +18,7 @@ from fakes import (
 )
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.engines.base import Latency
+from pytest_fp8gate.judge.comparisons import Comparisons
 from pytest_fp8gate.judge.verdict import Case, Verdict
 from pytest_fp8gate.report import markdown_report, plots
 from pytest_fp8gate.report.markdown_report import ReportData, first_divergence, render, write
@@ -30,7 +31,8 @@ FLIPPED_TEXT = {3: "We add one and one so the answer is 2.", 7: "We add one and 
 def data(tmp_path: Path) -> ReportData:
     """A baseline with its noise passes, one measured candidate, and verdicts of four rules."""
     measurements = make_measurements(write_recorded_gate(tmp_path / "gate"), tmp_path / "artifacts")
-    record = fake_baseline(measurements)()
+    measurements._measure_baseline_engines = fake_baseline(measurements)
+    record = measurements.record()
     record.result.latency = Latency(1000, 256, 1, 10, 2.0, 0.1)
     config = measurements.config
     cand_main = write_pass(tmp_path / "artifacts" / "fp8", "main", logprob_run(5, 0.2),
@@ -38,6 +40,7 @@ def data(tmp_path: Path) -> ReportData:
     # Timed until the SE of the mean was within 1%: 4 iterations, 0.4% (addition).
     latency = Latency(1000, 256, 1, 4, 1.5, 0.1, decode_rel_se=0.004, target_rel_se=0.01)
     candidate = ModelResult(config.candidates[0], cand_main, 2.0, 8192, 8, latency)
+    measurements._candidates["fp8"] = candidate
     verdicts = [
         Verdict(Case("flips", "fp8", TASK), rules.flips_within_noise_floor(2, 2, 30, ratio=2.0)),
         Verdict(Case("accuracy", "fp8", TASK), rules.accuracy_within_se(28 / 30, 28 / 30, 30),
@@ -47,7 +50,8 @@ def data(tmp_path: Path) -> ReportData:
     unjudged = [(Case("speed", "fp8"), "skipped: no memory-bandwidth figure for the CPU engine")]
     provenance = dict(measurements.provenance(config.baseline), engine_runs=record.engine_runs,
                       models={"bf16": measurements.fingerprint(config.baseline)})
-    return ReportData(config, verdicts, record, {"fp8": candidate}, provenance, unjudged)
+    return ReportData(config, verdicts, record, {"fp8": candidate}, provenance, Comparisons(config, measurements),
+                      unjudged)
 
 
 def test_report_tables_flips_commands_and_provenance(data: ReportData, tmp_path: Path):
@@ -127,6 +131,7 @@ JUNIT_TEST = """
 import pytest
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.face.session import VERDICT_KEY
+from pytest_fp8gate.judge.comparisons import Comparisons
 from pytest_fp8gate.judge.verdict import Case, Verdict
 
 # What GateSession.enforce does: the verdict goes on the item, then a failing rule fails the test.

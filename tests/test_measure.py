@@ -63,7 +63,7 @@ def test_each_engine_starts_once_and_measures_what_its_own_rules_need(tmp_path: 
     needs = {"good": PROBABILITIES, "bad": Needs(tasks=frozenset({"echo"}), speed=True)}
     found = measurements(tmp_path, needs, task=True)
     for _ in range(2):
-        found.candidate("good"), found.candidate("bad"), found.noise()
+        found.candidate("good"), found.candidate("bad"), found.baseline().noise
     # The baseline measures what any candidate needs, in its main pass and its noise passes.
     assert [(name, dtype) for _, name, dtype in calls(found, "start")] == [
         ("bf16", None), ("bf16", "float16"), ("good", None), ("bad", None)]
@@ -80,8 +80,8 @@ def test_each_engine_starts_once_and_measures_what_its_own_rules_need(tmp_path: 
     good, bad = found.candidate("good"), found.candidate("bad")
     assert good.main.logprobs is not None and not good.main.samples and good.latency is None
     assert bad.main.logprobs is None and set(bad.main.samples) == {"echo"} and bad.latency is not None
-    assert set(found.noise()) == {"batch-order", "fp16"}
-    assert all(run.logprobs is not None and "echo" in run.samples for run in found.noise().values())
+    assert set(found.baseline().noise) == {"batch-order", "fp16"}
+    assert all(run.logprobs is not None and "echo" in run.samples for run in found.baseline().noise.values())
 
 
 def test_an_env_value_reaches_only_its_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -179,7 +179,7 @@ def test_a_failed_baseline_fails_every_candidate_without_starting_them(tmp_path:
 def test_the_noise_passes_run_in_the_baseline_engine_or_their_own(tmp_path: Path, passes: str, starts: list):
     found = measurements(tmp_path, {"good": PROBABILITIES},
                          lambda text: text.replace('passes = ["batch-order", "fp16"]', f"passes = {passes}"))
-    noise = found.noise()
+    noise = found.baseline().noise
     assert [(name, dtype) for _, name, dtype in calls(found, "start")] == starts
     assert list(noise) == [p for p in ("batch-order", "fp16", "fp32") if p in passes]
     gate = Gate(found.config, found)
@@ -194,12 +194,12 @@ def test_the_noise_passes_run_in_the_baseline_engine_or_their_own(tmp_path: Path
 def test_the_batch_order_pass_reaches_loglikelihood_scoring(tmp_path: Path):
     # Multiple-choice tasks (MMLU, ARC) are scored by log-likelihood, not generated.
     found = measurements(tmp_path, {"good": Needs(tasks=frozenset({"choice"}))}, lambda text: text + CHOICE_TASK)
-    found.noise()
+    found.baseline().noise
     scored = [(call[2], call[3]) for call in calls(found, "continuation_logprobs")]
     assert {layout for layout, _ in scored} == {ALL_AT_ONCE, BATCH_ORDER}
     main = sum(n for layout, n in scored if layout == ALL_AT_ONCE)
     assert main == 2 * sum(n for layout, n in scored if layout == BATCH_ORDER)  # main and fp16 vs batch-order
-    assert set(found.noise()["batch-order"].samples) == {"choice"}
+    assert set(found.baseline().noise["batch-order"].samples) == {"choice"}
 
 
 def test_a_batch_layout_splits_and_orders_requests():
@@ -240,7 +240,7 @@ def test_top_k_scores_the_candidate_on_the_baselines_ids_where_the_engine_can(tm
     run = found.candidate("good").main.logprobs
     assert run.full_logprobs is None and run.logprobs_on_base_ids is not None
     assert [call[1] for call in calls(found, "logprobs_on_ids")] == ["bf16", "bf16", "good"]  # both noise passes
-    assert found.id_scoring_refusal is None
+    assert found.record().id_scoring_refusal is None
     assert _kl_note(found) == f"KL(base || candidate) is {TOPK_KL} (the candidate scored on the baseline's top-k ids)"
 
 
@@ -258,7 +258,7 @@ def test_without_id_scoring_top_k_falls_back_once_and_the_kl_says_why(tmp_path: 
                          top_k, **engine)
     found.candidate("good"), found.candidate("bad")
     assert len(calls(found, "logprobs_on_ids")) == 1  # refused once, remembered for the session
-    assert found.id_scoring_refusal == reason
+    assert found.record().id_scoring_refusal == reason
     assert found.candidate("good").main.logprobs.logprobs_on_base_ids is None  # the measurement is kept
     assert found.lines.count(f"fp8gate: the engine cannot score the baseline's top-k ids ({reason}); "
                              "KL uses the ids each model returned in its own top-k") == 1

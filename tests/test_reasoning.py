@@ -122,19 +122,17 @@ def test_a_build_that_thinks_longer_keeps_its_answers_length_and_reports_its_thi
 
 def test_the_report_prints_the_thinking_beside_the_flips(gate: Gate) -> None:
     from pytest_fp8gate.report.markdown_report import ReportData, render
-    from pytest_fp8gate.run.record import BaselineRecord
 
     measured = gate.measurements
     verdict = gate.evaluate(Case(rules.LENGTH_DRIFT, "long", "echo"))
-    record = BaselineRecord(measured.baseline(), measured.noise(), [], None, [])
-    text = render(ReportData(gate.config, [verdict], record, {"long": measured.candidate("long")}, {},
-                             comparisons=gate.comparisons), None).markdown
+    text = render(ReportData(gate.config, [verdict], measured.record(), {"long": measured.candidate("long")}, {},
+                             gate.comparisons), None).markdown
     lines = [line for line in text.splitlines() if line.startswith("Thinking before '</think>'")]
     assert lines[:2] == ["Thinking before '</think>' (not scored): baseline: mean 24.0 characters of thinking, "
                          "40 of 40 answers closed it",
                          "Thinking before '</think>' (not scored): candidate long: mean 48.0 characters of thinking, "
                          "40 of 40 answers closed it"], lines
-    assert len(lines) == 2 + len(measured.noise())
+    assert len(lines) == 2 + len(measured.baseline().noise)
 
 
 def _instance(context: str, budget: int, index: int = 0) -> Instance:

@@ -17,7 +17,7 @@ from pytest_fp8gate.errors import ComparisonError
 from pytest_fp8gate.judge.gate import Gate, GateError
 from pytest_fp8gate.judge.verdict import Case
 from pytest_fp8gate.run.measure import MeasurementError, Measurements
-from pytest_fp8gate.run.record import ModelResult, Needs, PassResult
+from pytest_fp8gate.run.record import BaselineRecord, ModelResult, Needs, PassResult
 from pytest_fp8gate.tools import cli
 
 
@@ -157,14 +157,11 @@ class RecordedMeasurements:
                         for spec in (config.baseline, *config.candidates)}
         self.config = config
 
-    def baseline(self) -> ModelResult:
-        return self.results[self.config.baseline.name]
+    def record(self) -> BaselineRecord:
+        return BaselineRecord(self.results[self.config.baseline.name], [], [])
 
     def candidate(self, name: str) -> ModelResult:
         return self.results[name]
-
-    def noise(self) -> dict[str, PassResult]:
-        return {}
 
 
 def _graded(path: Path, correct: list[int]) -> Path:
@@ -205,7 +202,7 @@ def test_a_filter_the_samples_lack_names_the_task_key(tmp_path: Path) -> None:
     recorded = _gate(tmp_path, [1] * 40)
     wrong = replace(recorded.config.tasks[0], filter="flexible-extract")
     config = replace(recorded.config, tasks=(wrong,))
-    gate = Gate(config, recorded.comparisons.measured)
+    gate = Gate(config, recorded.comparisons.records)
     with pytest.raises(GateError) as info:
         gate.evaluate(Case("flips", "fp8", "arith"))
     assert str(info.value) == (

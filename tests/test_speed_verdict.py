@@ -14,18 +14,18 @@ from pytest_fp8gate.errors import ConfigError, GateError
 from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.verdict import Case
 from pytest_fp8gate.options import display_path
-from pytest_fp8gate.run.record import ModelResult, PassResult
+from pytest_fp8gate.run.record import BaselineRecord, ModelResult, PassResult
 from pytest_fp8gate.tools.demo.run import demo_config_text
 
 
 class _Measured:
-    """The two ModelResults the speed rule reads, as Measurements would hand them over."""
+    """The two records the speed rule reads, as Measurements would hand them over."""
 
     def __init__(self, baseline: ModelResult, candidate: ModelResult) -> None:
         self._baseline, self._candidate = baseline, candidate
 
-    def baseline(self) -> ModelResult:
-        return self._baseline
+    def record(self) -> BaselineRecord:
+        return BaselineRecord(self._baseline, [], [])
 
     def candidate(self, name: str) -> ModelResult:
         return self._candidate

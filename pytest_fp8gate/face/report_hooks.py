@@ -90,8 +90,8 @@ def report_data(session: GateSession, verdicts: list[Verdict],
         if record is not None and record.cached else []
     runs = cached + measurements.engine_runs
     provenance = dict(measurements.provenance(config.baseline), models=models, engine_runs=runs)
-    return markdown_report.ReportData(config, verdicts, record, candidates, provenance, unjudged,
-                                      session.gate.comparisons, measurements.time.as_dict())
+    return markdown_report.ReportData(config, verdicts, record, candidates, provenance, session.gate.comparisons,
+                                      unjudged, measurements.time.as_dict())
 
 
 class SessionReport:

@@ -34,52 +34,21 @@ from ..run.record import BaselineRecord, DecodeResult, ModelResult, PassResult
 BASELINE_GAP = "baseline decode vs prefill"
 
 
-class Measured(Protocol):
-    """What the comparisons read: ``measure.Measurements``, or a record an earlier run left."""
+class Records(Protocol):
+    """What the comparisons read: the baseline's record and each candidate's, measured on first asking
+    (``measure.Measurements``)."""
 
-    id_scoring_refusal: str | None  # why the engine could not score the baseline's top-k ids, if it could not
-    # The decode phase by model name (the baseline's and each measured candidate's), the baseline noise
-    # passes' prefills of the baseline's continuations by pass label, and [noise] candidate_passes by
-    # candidate and label. A candidate's entries exist once ``candidate(name)`` has returned.
-    decode: dict[str, DecodeResult]
-    decode_floor: dict[str, LogprobRun]
-    candidate_noise: dict[str, dict[str, PassResult]]
-
-    def baseline(self) -> ModelResult: ...
+    def record(self) -> BaselineRecord: ...
 
     def candidate(self, name: str) -> ModelResult: ...
-
-    def noise(self) -> dict[str, PassResult]: ...
-
-
-class Recorded:
-    """A baseline record and the candidates measured with it (what the report is handed)."""
-
-    def __init__(self, baseline: BaselineRecord, candidates: dict[str, ModelResult]) -> None:
-        self.record, self.candidates = baseline, candidates
-        self.id_scoring_refusal = baseline.id_scoring_refusal
-        # The baseline record does not hold the decode phase (the cache does not store it yet);
-        # the report reads its figures from the verdicts.
-        self.decode: dict[str, DecodeResult] = {}
-        self.decode_floor: dict[str, LogprobRun] = {}
-        self.candidate_noise: dict[str, dict[str, PassResult]] = {}
-
-    def baseline(self) -> ModelResult:
-        return self.record.result
-
-    def candidate(self, name: str) -> ModelResult:
-        return self.candidates[name]
-
-    def noise(self) -> dict[str, PassResult]:
-        return self.record.noise
 
 
 class Comparisons:
     """Memoised comparisons of the candidates with the baseline (a failed one is not kept)."""
 
-    def __init__(self, config: GateConfig, measured: Measured) -> None:
+    def __init__(self, config: GateConfig, records: Records) -> None:
         self.config = config
-        self.measured = measured
+        self.records = records
         self._logprobs: dict[str, LogprobComparison] = {}
         self._logprob_floors: dict[str, LogprobComparison] | None = None
         self._baseline_answers: dict[str, list[AnswerRecord]] = {}
@@ -91,10 +60,14 @@ class Comparisons:
         self._candidate_noise: dict[str, dict[str, LogprobComparison]] = {}
         self._generations: dict[tuple[str, str], dict[Hashable, str]] = {}  # (pass key, task) -> doc -> text
 
+    def baseline(self) -> ModelResult:
+        """The baseline's own record (measured or restored on the first call)."""
+        return self.records.record().result
+
     def logprobs(self, candidate: str) -> LogprobComparison:
         """The candidate's main pass against the baseline's, token by token."""
         if candidate not in self._logprobs:
-            base_result, cand_result = self.measured.baseline(), self.measured.candidate(candidate)
+            base_result, cand_result = self.baseline(), self.records.candidate(candidate)
             if base_result.vocab_size != cand_result.vocab_size:
                 raise GateError(f"candidate {candidate}: vocabulary of {cand_result.vocab_size} tokens differs from "
                                 f"baseline {self.config.baseline.name}'s {base_result.vocab_size}; "
@@ -110,10 +83,10 @@ class Comparisons:
     def logprob_floors(self) -> dict[str, LogprobComparison]:
         """Each noise pass that scored the corpus against the baseline's main pass."""
         if self._logprob_floors is None:
-            base = self.measured.baseline().main.logprobs
+            base = self.baseline().main.logprobs
             assert base is not None
             self._logprob_floors = {label: self._by_position(base, run.logprobs)
-                                    for label, run in self.measured.noise().items() if run.logprobs is not None}
+                                    for label, run in self.baseline().noise.items() if run.logprobs is not None}
         return self._logprob_floors
 
     def _by_position(self, base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
@@ -133,19 +106,19 @@ class Comparisons:
 
     def baseline_answers(self, task: TaskSpec) -> list[AnswerRecord]:
         if task.name not in self._baseline_answers:
-            self._baseline_answers[task.name] = self._read(self.measured.baseline().main, task)
+            self._baseline_answers[task.name] = self._read(self.baseline().main, task)
         return self._baseline_answers[task.name]
 
     def answers(self, candidate: str, task: TaskSpec) -> tuple[AnswerComparison, dict[str, AnswerComparison]]:
         """The candidate's answers on ``task`` against the baseline's, and each noise pass's."""
         if (candidate, task.name) not in self._answers:
             base = self.baseline_answers(task)
-            cand = self._read(self.measured.candidate(candidate).main, task)
+            cand = self._read(self.records.candidate(candidate).main, task)
             self._answers[candidate, task.name] = compare_answers(base, cand)
         if task.name not in self._answer_floors:
             base = self.baseline_answers(task)
             self._answer_floors[task.name] = {label: compare_answers(base, self._read(run, task))
-                                              for label, run in self.measured.noise().items()
+                                              for label, run in self.baseline().noise.items()
                                               if task.name in run.samples}
         return self._answers[candidate, task.name], self._answer_floors[task.name]
 
@@ -161,19 +134,19 @@ class Comparisons:
         """The share of unparsable answers: the baseline's, the candidate's, each noise pass's, and the
         candidate's question count."""
         base = self.baseline_answers(task)
-        cand = self._read(self.measured.candidate(candidate).main, task)
+        cand = self._read(self.records.candidate(candidate).main, task)
         floors = {label: invalid_rate(self._read(run, task))
-                  for label, run in self.measured.noise().items() if task.name in run.samples}
+                  for label, run in self.baseline().noise.items() if task.name in run.samples}
         return invalid_rate(base), invalid_rate(cand), floors, len(cand)
 
     def truncations(self, candidate: str, task: TaskSpec) -> tuple[set[Hashable], set[Hashable],
                                                                     dict[str, set[Hashable]], int]:
         """The questions whose answer the token budget ended (finish_reason "length"): the baseline's,
         the candidate's, each noise pass's, and the number of questions."""
-        base = self._cut("baseline", self.measured.baseline().main, task)
-        cand = self._cut(f"candidate {candidate}", self.measured.candidate(candidate).main, task)
+        base = self._cut("baseline", self.baseline().main, task)
+        cand = self._cut(f"candidate {candidate}", self.records.candidate(candidate).main, task)
         floors = {label: self._cut(f"noise pass {label}", run, task)[0]
-                  for label, run in self.measured.noise().items() if task.name in run.samples}
+                  for label, run in self.baseline().noise.items() if task.name in run.samples}
         return base[0], cand[0], floors, cand[1]
 
     def _cut(self, who: str, run: PassResult, task: TaskSpec) -> tuple[set[Hashable], int]:
@@ -192,17 +165,17 @@ class Comparisons:
 
     def length_drifts(self, candidate: str, task: TaskSpec) -> tuple[float, dict[str, float]]:
         """The candidate's mean output-length drift against the baseline, and each noise pass's."""
-        base = self._texts("baseline", self.measured.baseline().main, task)
-        cand = self._texts(f"candidate {candidate}", self.measured.candidate(candidate).main, task)
+        base = self._texts("baseline", self.baseline().main, task)
+        cand = self._texts(f"candidate {candidate}", self.records.candidate(candidate).main, task)
         floors = {label: length_drift(base, self._texts(f"noise {label}", run, task))
-                  for label, run in self.measured.noise().items() if task.name in run.samples}
+                  for label, run in self.baseline().noise.items() if task.name in run.samples}
         return length_drift(base, cand), floors
 
     def thinking(self, candidate: str, task: TaskSpec) -> dict[str, Thinking]:
         """A task with think_end: the thinking lengths of the baseline, the candidate and each noise pass."""
-        runs = {"baseline": self.measured.baseline().main,
-                f"candidate {candidate}": self.measured.candidate(candidate).main}
-        runs.update({f"noise pass {label}": run for label, run in self.measured.noise().items()
+        runs = {"baseline": self.baseline().main,
+                f"candidate {candidate}": self.records.candidate(candidate).main}
+        runs.update({f"noise pass {label}": run for label, run in self.baseline().noise.items()
                      if task.name in run.samples})
         found = {}
         for who, run in runs.items():
@@ -223,24 +196,23 @@ class Comparisons:
         """The candidate's prefill of the baseline's continuations against the baseline's decode-time
         log-probs, and the same comparison for each floor (the baseline's own prefill, its noise passes)."""
         if candidate not in self._decode:
-            self.measured.candidate(candidate)
-            on_baseline = self.measured.decode[candidate].on_baseline
-            assert on_baseline is not None  # a candidate's decode phase always prefills the baseline's ids
+            decode = self.records.candidate(candidate).decode
+            assert decode is not None and decode.on_baseline is not None  # measured where a decode rule runs
             self._decode[candidate] = self._compare(f"candidate {candidate} on the baseline's continuations",
-                                                    self._baseline_decode().own, on_baseline)
+                                                    self._baseline_decode().own, decode.on_baseline)
         if self._decode_floors is None:
             own = self._baseline_decode().own
             floors = {BASELINE_GAP: self.baseline_gap()}
             floors.update({label: self._compare(f"noise pass {label}", own, run)
-                           for label, run in self.measured.decode_floor.items()})
+                           for label, run in self.records.record().decode_floor.items()})
             self._decode_floors = floors
         return self._decode[candidate], self._decode_floors
 
     def decode_gap(self, candidate: str) -> DecodeComparison:
         """The candidate's decode-time log-probs against its own prefill of the same ids."""
         if candidate not in self._decode_gaps:
-            self.measured.candidate(candidate)
-            result = self.measured.decode[candidate]
+            result = self.records.candidate(candidate).decode
+            assert result is not None  # measured where a decode rule runs
             self._decode_gaps[candidate] = self._compare(f"candidate {candidate} decode vs prefill", result.own,
                                                          result.own_prefill)
         return self._decode_gaps[candidate]
@@ -254,8 +226,9 @@ class Comparisons:
         return self._decode_gaps[name]
 
     def _baseline_decode(self) -> DecodeResult:
-        self.measured.baseline()
-        return self.measured.decode[self.config.baseline.name]
+        decode = self.baseline().decode
+        assert decode is not None  # measured where a decode rule runs
+        return decode
 
     def _compare(self, what: str, base: DecodeRun, cand: LogprobRun) -> DecodeComparison:
         spec = self.config.probabilities
@@ -267,9 +240,9 @@ class Comparisons:
     def candidate_noise(self, candidate: str) -> dict[str, LogprobComparison]:
         """[noise] candidate_passes: the candidate's main pass against its own re-run, by pass label."""
         if candidate not in self._candidate_noise:
-            main = self.measured.candidate(candidate).main.logprobs
-            own = self.measured.candidate_noise.get(candidate, {})
+            result = self.records.candidate(candidate)
+            main = result.main.logprobs
             self._candidate_noise[candidate] = {label: compare_logprobs(main, run.logprobs)
-                                                for label, run in own.items()
+                                                for label, run in result.noise.items()
                                                 if main is not None and run.logprobs is not None}
         return self._candidate_noise[candidate]

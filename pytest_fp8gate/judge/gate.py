@@ -23,7 +23,7 @@ from ..errors import GateError, RooflineError
 from ..run.record import PASS_DESCRIPTIONS, ModelResult
 from . import generation_verdicts
 from .commands import compare_logprobs_command, flips_command, roofline_command
-from .comparisons import Comparisons, Measured
+from .comparisons import Comparisons, Records
 from .verdict import Case, Verdict, limit_setting
 from .verdict import number as _number
 
@@ -37,7 +37,7 @@ TOPK_BOUND_SHARE = {5: 0.51, 10: 0.62, 20: 0.72, 50: 0.82, 100: 0.88}
 class Gate:
     """Evaluates rule cases against lazily measured models."""
 
-    def __init__(self, config: GateConfig, measurements: Measured) -> None:
+    def __init__(self, config: GateConfig, measurements: Records) -> None:
         self.measurements = measurements
         self.comparisons = Comparisons(config, measurements)  # shared with the markdown report
         # The evidence each rule's judge is given; probability rules share one, driven by their row, and
@@ -83,7 +83,7 @@ class Gate:
                   for label, v in floor_values.items()]
         if case.rule == "mean_kl":
             notes.append(f"KL(base || candidate) is {comparison.kl_kind}{self._kl_partition_note(comparison)}")
-            if comparison.kl_kind == TOPK_KL and self.measurements.id_scoring_refusal is not None:
+            if comparison.kl_kind == TOPK_KL and self.measurements.record().id_scoring_refusal is not None:
                 notes.append(topk_gap_note(self.config.probabilities.top_k))
         if limits.limit_se > 0:
             notes.append(f"judged like accuracy: fails only when the limit is missed by more than "
@@ -160,7 +160,7 @@ class Gate:
         limits = self.config.probabilities.limits
         details = {"comparison": comparison.as_dict(),
                    "noise_floor": {label: c.as_dict() for label, c in floors.items()}, **(extra or {})}
-        recompute = compare_logprobs_command(self.measurements.baseline().main,
+        recompute = compare_logprobs_command(self.comparisons.baseline().main,
                                              self.measurements.candidate(case.candidate).main, buckets)
         setting = limits.floor_ratio_for(metric) if outcome.limit_key == self._floor_key(metric) \
             else getattr(limits, outcome.limit_key)
@@ -170,7 +170,7 @@ class Gate:
     def _kl_partition_note(self, comparison: LogprobComparison) -> str:
         if comparison.kl_kind != TOPK_KL:
             return ""
-        refusal = self.measurements.id_scoring_refusal
+        refusal = self.measurements.record().id_scoring_refusal
         if refusal is None:
             return " (the candidate scored on the baseline's top-k ids)"
         return f" (on the baseline ids in the candidate's own top-k; scoring given ids was refused: {refusal})"
@@ -260,7 +260,7 @@ class Gate:
         return self._limit(f"tasks[{self.config.tasks.index(task)}].limits.{key}", value)
 
     def _flips_command(self, case: Case, task: TaskSpec) -> str | None:
-        return flips_command(self.measurements.baseline().main, self.measurements.candidate(case.candidate).main,
+        return flips_command(self.comparisons.baseline().main, self.measurements.candidate(case.candidate).main,
                              task)
 
     @staticmethod
@@ -291,7 +291,7 @@ class Gate:
         speed = self.config.speed
         assert speed is not None
         result = self.measurements.candidate(case.candidate)
-        base = self.measurements.baseline()
+        base = self.comparisons.baseline()
         # Configured in [speed], else what measuring found for this session's GPU.
         found = (speed.gpu, speed.bandwidth_gbps) if speed.bandwidth_gbps > 0 else result.memory_bandwidth
         if found is None:
@@ -334,7 +334,7 @@ class Gate:
     def load(self, case: Case, rule: rules.Rule) -> Verdict:
         load = self.config.load
         assert load is not None
-        result, base = self.measurements.candidate(case.candidate), self.measurements.baseline()
+        result, base = self.measurements.candidate(case.candidate), self.comparisons.baseline()
         if result.load is None or base.load is None:  # measuring runs every level of a model needing the rule
             raise GateError(f"{self.config.path}: load: no load levels measured for "
                             f"{base.spec.name if base.load is None else result.spec.name}")
@@ -360,7 +360,7 @@ class Gate:
     def acceptance(self, case: Case, rule: rules.Rule) -> Verdict:
         speculative = self.config.speculative
         assert speculative is not None
-        result, base = self.measurements.candidate(case.candidate), self.measurements.baseline()
+        result, base = self.measurements.candidate(case.candidate), self.comparisons.baseline()
         try:
             counts = [spec_decode.total(model.spec_decode, model.spec.name, speculative.min_drafts)
                       for model in (result, base)]

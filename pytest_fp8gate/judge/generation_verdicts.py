@@ -41,8 +41,7 @@ def _figures(comparison: DecodeComparison) -> str:
 
 def _prefill_line(comparisons: Comparisons, candidate: str) -> str | None:
     """The candidate's prefill figures on the corpus (the probability check's own comparison), when measured."""
-    measured = comparisons.measured
-    if measured.baseline().main.logprobs is None or measured.candidate(candidate).main.logprobs is None:
+    if comparisons.baseline().main.logprobs is None or comparisons.records.candidate(candidate).main.logprobs is None:
         return None
     c = comparisons.logprobs(candidate)
     kl = "-" if c.mean_kl is None else f"{c.mean_kl:.6g}"
@@ -84,9 +83,9 @@ def decode_phase(comparisons: Comparisons, case: Case, rule: rules.Rule) -> Verd
                SIDE_BY_SIDE: side}
     value = limits.floor_ratio if outcome.limit_key == "floor_ratio" else reference
     assert value is not None  # the floor ratio bound only where it is set
-    decoded = comparisons.measured.decode
-    recompute = _recompute(decoded[config.baseline.name].dumps.get(DECODE_DUMP),
-                           decoded[case.candidate].dumps.get(ON_BASELINE_DUMP))
+    base_decode, cand_decode = comparisons.baseline().decode, comparisons.records.candidate(case.candidate).decode
+    assert base_decode is not None and cand_decode is not None  # compared above
+    recompute = _recompute(base_decode.dumps.get(DECODE_DUMP), cand_decode.dumps.get(ON_BASELINE_DUMP))
     return Verdict(case, outcome, details, tuple(notes),
                    limit=limit_setting(config, f"decode.limits.{outcome.limit_key}", value), recompute=recompute)
 
@@ -110,7 +109,9 @@ def decode_gap(comparisons: Comparisons, case: Case, rule: rules.Rule) -> Verdic
              "scoring cannot see (an FP8 KV cache) shows here"]
     details = {"comparison": cand.as_dict(), "noise_floor": {BASELINE_GAP: base.as_dict()},
                SIDE_BY_SIDE: f"decode vs prefill: candidate KL {cand.mean_kl:.6g}, baseline KL {base.mean_kl:.6g}"}
-    dumps = comparisons.measured.decode[case.candidate].dumps
+    decode = comparisons.records.candidate(case.candidate).decode
+    assert decode is not None  # compared above
+    dumps = decode.dumps
     return Verdict(case, outcome, details, tuple(notes),
                    limit=limit_setting(config, f"decode.limits.{outcome.limit_key}",
                                        getattr(limits, outcome.limit_key)),
@@ -195,7 +196,7 @@ def candidate_noise_notes(comparisons: Comparisons, candidate: str) -> list[str]
     """The candidate against itself in another batch order ([noise] candidate_passes), beside the baseline's floor."""
     floors: dict[str, LogprobComparison] = {}
     own = comparisons.candidate_noise(candidate)
-    if own and comparisons.measured.baseline().main.logprobs is not None:
+    if own and comparisons.baseline().main.logprobs is not None:
         floors = comparisons.logprob_floors()
     notes = []
     for label, mine in own.items():

@@ -20,7 +20,7 @@ from ..core.answers import AnswerComparison, FlippedAnswer
 from ..core.dumps import read_lm_eval_generations
 from ..engines import stack
 from ..judge.commands import compare_logprobs_command, flips_command
-from ..judge.comparisons import Comparisons, Recorded
+from ..judge.comparisons import Comparisons
 from ..judge.generation_verdicts import SIDE_BY_SIDE
 from ..judge.verdict import Case, Verdict
 from ..options import display_path
@@ -42,13 +42,9 @@ class ReportData:
     baseline: BaselineRecord | None
     candidates: dict[str, ModelResult]
     provenance: dict[str, Any]  # environment, inputs, lm_eval_seeds, models, engine_runs
+    comparisons: Comparisons  # the verdicts' own
     unjudged: list[tuple[Case, str]] = field(default_factory=list)  # rule cases without a verdict, and why
-    comparisons: Comparisons | None = None  # the verdicts' own; None: compared here, once, from the record
     time: dict[str, Any] | None = None  # timing.TimeLedger.as_dict(): where the session's wall time went
-
-    def __post_init__(self) -> None:
-        if self.comparisons is None and self.baseline is not None:
-            self.comparisons = Comparisons(self.config, Recorded(self.baseline, self.candidates))
 
 
 @dataclass
@@ -180,7 +176,6 @@ class _Candidate:
         if baseline is None or self.result is None or task.name not in self.result.main.samples \
                 or task.name not in baseline.result.main.samples:
             return None
-        assert self.data.comparisons is not None
         return self.data.comparisons.answers(self.name, task)
 
     def flip_lines(self, task: TaskSpec) -> list[str]:
@@ -193,7 +188,6 @@ class _Candidate:
                  f"({comparison.right_to_wrong} right → wrong, {comparison.wrong_to_right} wrong → right; "
                  f"noise floor: {floor_text})", ""]
         if task.think_end is not None:  # the answers were scored after the thinking; its length beside them
-            assert self.data.comparisons is not None
             lines += [f"Thinking before {task.think_end!r} (not scored): {who}: {thinking.text()}"
                       for who, thinking in self.data.comparisons.thinking(self.name, task).items()] + [""]
         assert self.data.baseline is not None and self.result is not None
@@ -223,8 +217,8 @@ class _Candidate:
         base = baseline.result.main.logprobs if baseline else None
         cand = self.result.main.logprobs if self.result else None
         if self.plot_dir is not None and plots.available() and base is not None and cand is not None:
-            assert baseline is not None and self.data.comparisons is not None
-            floors = {label: run.logprobs for label, run in baseline.noise.items() if run.logprobs is not None}
+            assert baseline is not None
+            floors = {label: run.logprobs for label, run in baseline.result.noise.items() if run.logprobs is not None}
             path = self.plot_dir / f"{self.stem}-{self.name}-dp.png"
             plots.delta_p_histogram(base, cand, floors, f"{self.name}: Δp per position against the noise floor",
                                     path)
@@ -244,7 +238,7 @@ class _Candidate:
         baseline = self.data.baseline
         if baseline is None or self.result is None:
             return []
-        base, cand, noise = baseline.result.main, self.result.main, baseline.noise.items()
+        base, cand, noise = baseline.result.main, self.result.main, baseline.result.noise.items()
         # The candidate's command, then each noise pass's against the same baseline files.
         groups = [(compare_logprobs_command(base, cand),
                    [(label, compare_logprobs_command(base, run)) for label, run in noise])]
@@ -348,9 +342,9 @@ def render(data: ReportData, plot_dir: Path | None, stem: str = "fp8gate") -> Re
             f"{len(data.verdicts) - passed} failed, {len(data.unjudged)} not judged.", ""]
     if data.baseline is not None:
         head += [f"Baseline {config.baseline.name}: {data.baseline.origin}.", ""]
-    if data.baseline is not None and data.baseline.noise:
+    if data.baseline is not None and data.baseline.result.noise:
         head += ["Noise floor passes: " + "; ".join(f"{label}: {PASS_DESCRIPTIONS.get(label, label)}"
-                                                    for label in data.baseline.noise), ""]
+                                                    for label in data.baseline.result.noise), ""]
     body: list[str] = []
     drawn: list[Path] = []
     for spec in config.candidates:

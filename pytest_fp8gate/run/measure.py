@@ -90,44 +90,34 @@ class Measurements:
         self.baseline_cache = baseline_cache
         # Under each model's env, which may name its own; a location, so no cache key holds it.
         self.cache_env = {} if compile_cache is None else {COMPILE_CACHE_ENV: str(compile_cache)}
-        self.baseline_record: BaselineRecord | None = None
+        self.baseline_record: BaselineRecord | None = None  # once measured or restored whole
         self.engine_runs: list[dict[str, Any]] = []  # start time, duration and settings of each engine
         self.time = timing.TimeLedger()  # where this session's wall time goes (issue 33)
         self._fingerprints: dict[str, dict[str, Any]] = {}
         self.run_id = uuid.uuid4().hex  # written into every artifact of this session
-        self._baseline: ModelResult | None = None
-        self._noise: dict[str, PassResult] = {}
         self._candidates: dict[str, ModelResult] = {}
         self._chunks: list[list[int]] = []
         self._task_manager: Any = None
         self._failures: dict[str, BaseException] = {}
-        # Why the engine could not score the baseline's top-k ids (None: it could, or was not asked).
-        self.id_scoring_refusal: str | None = None
-        # The decode phase (decode_passes), by model name; and the baseline noise passes' prefills
-        # of the baseline's continuations, by pass label.
-        self.decode: dict[str, DecodeResult] = {}
-        self.decode_floor: dict[str, LogprobRun] = {}
-        # [noise] candidate_passes: each candidate against itself, by candidate name and pass label.
-        self.candidate_noise: dict[str, dict[str, PassResult]] = {}
 
     # ---- public ------------------------------------------------------------
 
-    def baseline(self) -> ModelResult:
-        if self._baseline is None:
+    def record(self) -> BaselineRecord:
+        """The baseline's record, measured or restored on the first call."""
+        if self.baseline_record is None:
             self._once(self.config.baseline.name, self._measure_baseline)
-        assert self._baseline is not None
-        return self._baseline
+        assert self.baseline_record is not None
+        return self.baseline_record
 
-    def noise(self) -> dict[str, PassResult]:
-        self.baseline()
-        return self._noise
+    def baseline(self) -> ModelResult:
+        return self.record().result
 
     def candidate(self, name: str) -> ModelResult:
         if name not in self._candidates:
-            self.baseline()
+            base = self.record()
             spec = next(c for c in self.config.candidates if c.name == name)
             self._once(name, lambda: self._candidates.__setitem__(
-                name, self._measure_model(spec, self.needs.get(name, Needs()))))
+                name, self._measure_model(spec, self.needs.get(name, Needs()), base)))
         return self._candidates[name]
 
     def measured_candidates(self) -> dict[str, ModelResult]:
@@ -275,11 +265,7 @@ class Measurements:
                                                    self._endpoint_drift if external else None)
             if self._all_needs().speed and record.cached:  # where this checkout keeps the weights
                 self._look_up_speed_inputs(record.result)
-        self._baseline, self._noise, self._chunks = record.result, record.noise, record.chunks
-        if record.decode is not None:  # restored: no baseline decode pass runs again
-            self.decode[self.config.baseline.name] = record.decode
-            self.decode_floor = dict(record.decode_floor)
-        self.id_scoring_refusal = record.id_scoring_refusal
+        self._chunks = record.chunks
         self.baseline_record = record
 
     def _endpoint_drift(self, record: BaselineRecord) -> str | None:
@@ -300,7 +286,7 @@ class Measurements:
         with self._running(spec, f"{spec.name}-cache-check") as engine:
             live = engine.prompt_logprobs([chunk], probabilities.top_k, self._full_vocab_wanted())
         drift = _mean_abs_difference(live.real_logprob[:positions], cached.real_logprob[:positions])
-        floor = record.noise.get(BATCH_ORDER_PASS)
+        floor = record.result.noise.get(BATCH_ORDER_PASS)
         noise = floor.logprobs if floor is not None else None
         floor_drift = 0.0 if noise is None else _mean_abs_difference(noise.real_logprob[:positions],
                                                                       cached.real_logprob[:positions])
@@ -324,64 +310,71 @@ class Measurements:
                 assert self.config.probabilities is not None
                 with self.time.span(timing.GATE, "tokenizing the corpus"):
                     self._chunks = corpus_mod.chunk_corpus(engine, self.config.probabilities, self.config.path)
-            self._baseline = result = self._measure_with(engine, spec, needs)
+            result = self._measure_with(engine, spec, needs, base=None)
+            # Built once the main pass is there: the noise passes score the baseline's top-k ids on it.
+            record = BaselineRecord(result, self._chunks, [])
             if BATCH_ORDER_PASS in passes:
-                self._noise[BATCH_ORDER_PASS] = self._passes(engine, spec, needs, BATCH_ORDER_PASS, BATCH_ORDER)
+                result.noise[BATCH_ORDER_PASS] = self._passes(engine, spec, needs, BATCH_ORDER_PASS, record,
+                                                              BATCH_ORDER)
             # After the passes without it, so that what it leaves in the prefix cache changes none of them.
-            self._measure_decode(engine, spec, needs)
+            self._measure_decode(engine, result, needs, baseline=None)
             if BATCH_ORDER_PASS in passes:
-                self._decode_floor(engine, needs, BATCH_ORDER_PASS, BATCH_ORDER)
+                self._decode_floor(engine, needs, record, BATCH_ORDER_PASS, BATCH_ORDER)
             self._measure_load(engine, result, needs)
         for name in self.config.noise.precision_passes if passes else ():
             with self._running(spec, f"{spec.name}-{name}", dtype=PRECISION_PASSES[name]) as engine:
-                self._noise[name] = self._passes(engine, spec, needs, name)
-                self._decode_floor(engine, needs, name, ALL_AT_ONCE)
+                result.noise[name] = self._passes(engine, spec, needs, name, record)
+                self._decode_floor(engine, needs, record, name, ALL_AT_ONCE)
         self._write_provenance(spec)
-        return BaselineRecord(self._baseline, dict(self._noise), self._chunks, self.id_scoring_refusal,
-                              [run for run in self.engine_runs if run["name"] == spec.name],
-                              self.decode.get(spec.name), dict(self.decode_floor))
+        record.engine_runs = [run for run in self.engine_runs if run["name"] == spec.name]
+        return record
 
-    def _measure_model(self, spec: ModelSpec, needs: Needs) -> ModelResult:
+    def _measure_model(self, spec: ModelSpec, needs: Needs, base: BaselineRecord) -> ModelResult:
         with self._running(spec, spec.name) as engine:
-            result = self._measure_with(engine, spec, needs)
-            self._measure_decode(engine, spec, needs)
+            result = self._measure_with(engine, spec, needs, base)
+            self._measure_decode(engine, result, needs, base.result.decode)
             # The candidate against itself in another batch order: is it noisier than its baseline?
             own_floor = Needs(needs.probabilities, needs.tasks)
-            self.candidate_noise[spec.name] = {
-                label: self._passes(engine, spec, own_floor, label, BATCH_ORDER)
-                for label in self.config.noise.candidate_passes}
+            result.noise = {label: self._passes(engine, spec, own_floor, label, base, BATCH_ORDER)
+                            for label in self.config.noise.candidate_passes}
             self._measure_load(engine, result, needs)
         self._write_provenance(spec)
         return result
 
-    def _decode_floor(self, engine: Engine, needs: Needs, label: str, layout: BatchLayout) -> None:
+    def _decode_floor(self, engine: Engine, needs: Needs, record: BaselineRecord, label: str,
+                      layout: BatchLayout) -> None:
         """A baseline noise pass's prefill of the baseline's continuations (the decode phase's floor)."""
         if needs.decode:
-            assert self.config.probabilities is not None
+            decode = record.result.decode
+            assert self.config.probabilities is not None and decode is not None  # measured in the main engine
             baseline = self.config.baseline.name
-            self.decode_floor[label] = decode_passes.score_by_prefill(
-                engine, self.decode[baseline].own, self.config.probabilities.top_k, self._full_vocab_wanted(), layout)
-            decode_passes.write_floor_dump(self.artifacts / baseline / "decode", self.decode[baseline], label,
-                                           self.decode_floor[label], {"name": baseline, RUN_ID: self.run_id})
+            record.decode_floor[label] = decode_passes.score_by_prefill(
+                engine, decode.own, self.config.probabilities.top_k, self._full_vocab_wanted(), layout)
+            decode_passes.write_floor_dump(self.artifacts / baseline / "decode", decode, label,
+                                           record.decode_floor[label], {"name": baseline, RUN_ID: self.run_id})
 
-    def _measure_decode(self, engine: Engine, spec: ModelSpec, needs: Needs) -> None:
-        """The decode phase of one model (decode_passes): the baseline's first, then each candidate's."""
+    def _measure_decode(self, engine: Engine, result: ModelResult, needs: Needs,
+                        baseline: DecodeResult | None) -> None:
+        """The decode phase of one model (decode_passes): the baseline's first (``baseline`` None), then each
+        candidate's, which also prefills the baseline's continuations."""
         if not needs.decode or self.config.decode is None or self.config.probabilities is None:
             return
+        spec = result.spec
         started = time.perf_counter()
-        baseline = self.decode.get(self.config.baseline.name)
         with self.time.span(spec.name, "decode"):
-            self.decode[spec.name] = decode_passes.measure_model(
+            result.decode = decode_passes.measure_model(
                 engine, decode_passes.decode_prompts(self._chunks, self.config.decode), self.config.decode,
                 self.config.probabilities.top_k, self._full_vocab_wanted(), baseline.own if baseline else None,
                 ALL_AT_ONCE)
-            decode_passes.write_dumps(self.artifacts / spec.name / "decode", self.decode[spec.name],
+            decode_passes.write_dumps(self.artifacts / spec.name / "decode", result.decode,
                                       {"model": spec.model, "name": spec.name, RUN_ID: self.run_id})
         self.announce(f"fp8gate: measured {spec.name} [decode]: {time.perf_counter() - started:.1f} s")
 
-    def _measure_with(self, engine: Engine, spec: ModelSpec, needs: Needs) -> ModelResult:
+    def _measure_with(self, engine: Engine, spec: ModelSpec, needs: Needs, base: BaselineRecord | None
+                      ) -> ModelResult:
+        """The main pass (scored on the baseline's top-k ids where ``base`` is given), speed and engine facts."""
         before = engine.spec_decode_reading() if needs.speculative else None
-        main = self._passes(engine, spec, needs, "main")
+        main = self._passes(engine, spec, needs, "main", base)
         result = ModelResult(spec, main, engine.start_s, engine.kv_cache_tokens(), engine.vocab_size)
         if before is not None:  # the main pass only: the baseline's noise passes and the speed run are not in it
             result.spec_decode = [spec_decode.window("main", before, engine.spec_decode_reading())]
@@ -423,9 +416,10 @@ class Measurements:
         if result.memory_bandwidth is not None and gpu_bandwidths.find_gpu(result.memory_bandwidth[0]):
             result.bandwidth_warning = hardware.nvml_disagreement(result.memory_bandwidth[1])  # does NVML agree?
 
-    def _passes(
-        self, engine: Engine, spec: ModelSpec, needs: Needs, label: str, layout: BatchLayout = ALL_AT_ONCE
-    ) -> PassResult:
+    def _passes(self, engine: Engine, spec: ModelSpec, needs: Needs, label: str, base: BaselineRecord | None,
+                layout: BatchLayout = ALL_AT_ONCE) -> PassResult:
+        """One pass over the corpus and the tasks; ``base``: the baseline's record, whose top-k ids it scores
+        (None: the baseline's own main pass)."""
         directory = self.artifacts / spec.name / label
         directory.mkdir(parents=True, exist_ok=True)
         result = PassResult(label)
@@ -437,7 +431,7 @@ class Measurements:
                 run = engine.prompt_logprobs(self._chunks, self.config.probabilities.top_k,
                                              self._full_vocab_wanted(), layout)
                 check_vocabulary(run, engine.vocab_size)
-                run = self._with_base_ids(engine, run)
+                run = self._with_base_ids(engine, run, base)
                 result.logprobs_path = directory / "logprobs.npz"
                 write_logprob_dump(result.logprobs_path, run, {
                     "model": spec.model, "name": spec.name, "pass": label, "quantization": spec.quantization,
@@ -453,19 +447,19 @@ class Measurements:
         self.announce(f"fp8gate: measured {spec.name} [{label}]: {', '.join(timings) or 'nothing needed'}")
         return result
 
-    def _with_base_ids(self, engine: Engine, run: LogprobRun) -> LogprobRun:
+    def _with_base_ids(self, engine: Engine, run: LogprobRun, record: BaselineRecord | None) -> LogprobRun:
         """In top-k mode, add this run's log-probs on the baseline's top-k ids where the engine can.
 
         Without them the KL partition only knows the baseline ids that also
-        made this model's own top-k.
+        made this model's own top-k. A refusal is kept on ``record``: no later pass asks again.
         """
-        base = self._baseline.main.logprobs if self._baseline is not None else None
-        if base is None or run.full_logprobs is not None or self.id_scoring_refusal is not None:
+        base = record.result.main.logprobs if record is not None else None
+        if record is None or base is None or run.full_logprobs is not None or record.id_scoring_refusal is not None:
             return run
         try:
             on_base_ids = engine.logprobs_on_ids(self._chunks, base.top_ids)
         except IdScoringUnavailable as err:
-            self.id_scoring_refusal = str(err)
+            record.id_scoring_refusal = str(err)
             self.announce(f"fp8gate: the engine cannot score the baseline's top-k ids ({err}); "
                           "KL uses the ids each model returned in its own top-k")
             return run

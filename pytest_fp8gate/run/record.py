@@ -70,7 +70,20 @@ class PassResult:
 
 
 @dataclass
+class DecodeResult:
+    """One model's decode phase: its own continuations (decode-time log-probs), its prefill of
+    them, and its prefill of the baseline's continuations (None for the baseline itself)."""
+
+    own: DecodeRun
+    own_prefill: LogprobRun
+    on_baseline: LogprobRun | None = None
+    dumps: dict[str, Path] = field(default_factory=dict)  # as decode_passes.write_dumps wrote them
+
+
+@dataclass
 class ModelResult:
+    """One model's record: its passes, its decode phase, and its speed and load figures."""
+
     spec: ModelSpec
     main: PassResult
     start_s: float
@@ -89,17 +102,9 @@ class ModelResult:
     load: list[LoadLevel] | None = None
     # Speculative decoding's counters over the main pass and [load]'s levels (None: not read; cached with the rest).
     spec_decode: list[Window] | None = None
-
-
-@dataclass
-class DecodeResult:
-    """One model's decode phase: its own continuations (decode-time log-probs), its prefill of
-    them, and its prefill of the baseline's continuations (None for the baseline itself)."""
-
-    own: DecodeRun
-    own_prefill: LogprobRun
-    on_baseline: LogprobRun | None = None
-    dumps: dict[str, Path] = field(default_factory=dict)  # as decode_passes.write_dumps wrote them
+    # The model against itself, by pass label: the baseline's [noise] passes, a candidate's candidate_passes.
+    noise: dict[str, PassResult] = field(default_factory=dict)
+    decode: DecodeResult | None = None  # its decode phase (decode_passes); None: no [decode] rule
 
 
 # The dumps of one model's decode phase: its decode-time rows, its prefill of them, its prefill of the baseline's;
@@ -111,14 +116,13 @@ DECODE_DUMP, PREFILL_DUMP, ON_BASELINE_DUMP, FLOOR_DUMP = "decode", "prefill", "
 class BaselineRecord:
     """Everything measured of the baseline: what the baseline cache stores and restores."""
 
-    result: ModelResult
-    noise: dict[str, PassResult]
+    result: ModelResult  # its noise passes and decode phase included
     chunks: list[list[int]]
-    id_scoring_refusal: str | None
     engine_runs: list[dict[str, Any]]
-    # The decode phase's baseline side: its continuations and their prefill (the gap's floor), and
-    # each noise pass's prefill of them (the decode rules' floors), by pass label. None: no [decode] rule.
-    decode: DecodeResult | None = None
+    # Why the engine could not score the baseline's top-k ids (None: it could, or was not asked); a
+    # candidate's engine refusing it later sets it too, so that no other candidate asks again.
+    id_scoring_refusal: str | None = None
+    # Each noise pass's prefill of the baseline's continuations (the decode rules' floors), by pass label.
     decode_floor: dict[str, LogprobRun] = field(default_factory=dict)
     origin: str = "measured in this session"  # for the report: measured, or which cache entry
     cached: bool = False  # restored from the baseline cache: no baseline engine ran in this session
