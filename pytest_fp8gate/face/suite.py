@@ -14,8 +14,9 @@ from .session import GateSession, run_state
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "case" in metafunc.fixturenames:
-        config = run_state(metafunc.config).config
-        metafunc.parametrize("case", cases_for(metafunc.function.__name__, config) if config else [])
+        state = run_state(metafunc.config)
+        cases = cases_for(metafunc.function.__name__, state.config, state.engine_class) if state.config else []
+        metafunc.parametrize("case", cases)
 
 
 def test_accuracy_within_se(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
