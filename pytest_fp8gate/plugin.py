@@ -162,20 +162,22 @@ def fp8gate(pytestconfig: pytest.Config, fp8gate_config: GateConfig,
 
 
 class _Gate:
-    """The hooks of a run that asked for the gate, each a delegation to its run state (face/session.py);
-    each imports what it calls (already loaded by then)."""
+    """The hooks of a run that asked for the gate, each a delegation with its run state (face/session.py)
+    to face/selection.py, refusals.py or report_hooks.py; each imports what it calls (already loaded by then)."""
 
     @staticmethod
     def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+        from .face import selection
         from .face.session import run_state
 
-        return run_state(parent.config).collect_file(file_path, parent)
+        return selection.collect_file(run_state(parent.config), file_path, parent)
 
     @staticmethod
     def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+        from .face import selection
         from .face.session import run_state
 
-        run_state(config).skip_gpu_rules_without_gpu(items)
+        selection.skip_gpu_rules_without_gpu(run_state(config), items)
 
     @staticmethod
     def pytest_deselected(items: list[pytest.Item]) -> None:
@@ -187,9 +189,10 @@ class _Gate:
 
     @staticmethod
     def pytest_collection_finish(session: pytest.Session) -> None:
+        from .face import selection
         from .face.session import run_state
 
-        run_state(session.config).finish_collection(session)
+        selection.finish_collection(run_state(session.config), session)
 
     @staticmethod
     def pytest_runtest_call(item: pytest.Item) -> None:
@@ -201,9 +204,10 @@ class _Gate:
     @staticmethod
     @pytest.hookimpl(tryfirst=True)  # before fixtures, which may start an engine
     def pytest_runtest_setup(item: pytest.Item) -> None:
+        from .face import selection
         from .face.session import run_state
 
-        run_state(item.config).require_gpu(item)
+        selection.require_gpu(run_state(item.config), item)
 
     @staticmethod
     def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -213,9 +217,10 @@ class _Gate:
 
     @staticmethod
     def pytest_sessionfinish(session: pytest.Session) -> None:
+        from .face import refusals
         from .face.session import run_state
 
-        run_state(session.config).finish(session)
+        refusals.finish(run_state(session.config), session)
 
     @staticmethod
     def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import TypeGuard
 
 import pytest
 
@@ -24,3 +25,8 @@ class ThresholdsFile(pytest.Module):
 
         return [item for item in super().collect()
                 if isinstance(getattr(getattr(item, "callspec", None), "params", {}).get("case"), Case)]
+
+
+def is_rule(item: pytest.Item) -> TypeGuard[pytest.Function]:
+    """One of the gate's rule tests: collected from the thresholds file."""
+    return isinstance(item, pytest.Function) and isinstance(item.parent, ThresholdsFile)

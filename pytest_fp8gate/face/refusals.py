@@ -11,31 +11,16 @@ Refused outright: a run distributed by pytest-xdist.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeGuard
 
 import pytest
 
 from ..config.spec import GateConfig
 from ..options import Settings, display_path
-from .collect import ThresholdsFile
+from .collect import is_rule
+from .session import RuleTally, RunState
 
 ALLOW_NO_RULES = "--fp8gate-allow-no-rules"
-
-
-@dataclass
-class RuleTally:
-    """The run's rule tests as the refusals count them (kept in the run state, face/session.py)."""
-
-    deselected: int = 0
-    gpu_rules: set[str] = field(default_factory=set)  # node ids of the selected rules marked gpu
-    ran_on_gpu: int = 0
-    complaint: str | None = None  # shown in the terminal summary
-
-
-def is_rule(item: pytest.Item) -> TypeGuard[pytest.Function]:
-    return isinstance(item, pytest.Function) and isinstance(item.parent, ThresholdsFile)
 
 
 def check_toml_args(config: pytest.Config, configured: Path | None) -> None:
@@ -120,3 +105,8 @@ def check_gpu_ran(session: pytest.Session, settings: Settings, gate: GateConfig,
     tally.complaint = f"--fp8gate-require-gpu: no rule ran on a GPU ({why})"
     if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def finish(state: RunState, session: pytest.Session) -> None:
+    if state.config is not None:
+        check_gpu_ran(session, state.settings, state.config, state.tally)

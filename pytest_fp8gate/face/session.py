@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
 
 import pytest
 
@@ -19,17 +18,24 @@ from ..judge.verdict import Case, Verdict
 from ..options import Settings, display_path
 from ..run.measure import Measurements
 from ..run.record import Needs
-from . import refusals
-from .cases import needs_of
-from .collect import ThresholdsFile
 
 VERDICT_KEY = pytest.StashKey[Verdict]()  # on each rule item, for the JSON report
 
 
 @dataclass
+class RuleTally:
+    """The run's rule tests as the refusals count them (refusals.py)."""
+
+    deselected: int = 0
+    gpu_rules: set[str] = field(default_factory=set)  # node ids of the selected rules marked gpu
+    ran_on_gpu: int = 0
+    complaint: str | None = None  # shown in the terminal summary
+
+
+@dataclass
 class RunState:
     """What one pytest run that asked for the gate keeps, under one stash key (STATE_KEY), as syrupy keeps
-    its SnapshotSession: plugin.py's hooks delegate to its methods."""
+    its SnapshotSession: plugin.py's hooks hand it to selection.py and refusals.py."""
 
     settings: Settings
     config: GateConfig | None = None  # the loaded thresholds, None without a file
@@ -37,45 +43,9 @@ class RunState:
     # pytest_configure that runs after the gate's (trylast).
     engine_class: type[Engine] = VllmEngine
     needs: dict[str, Needs] = field(default_factory=dict)  # what each engine measures, from the selected rules
-    tally: refusals.RuleTally = field(default_factory=refusals.RuleTally)
+    tally: RuleTally = field(default_factory=RuleTally)
     verdicts: list[Verdict] = field(default_factory=list)
     session: GateSession | None = None  # opened by the fp8gate fixture; the reports read it at session end
-
-    def collect_file(self, file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
-        if self.config is not None and file_path == self.config.path:
-            return ThresholdsFile.from_parent(parent, path=file_path)
-        return None
-
-    def skip_gpu_rules_without_gpu(self, items: list[pytest.Item]) -> None:
-        # Only the gate's own rule tests: the user's other gpu-marked tests are theirs to skip.
-        # A skip mark (not pytest.skip in setup) reports the skip at the test's own location.
-        gpu_rules = [item for item in items if refusals.is_rule(item) and item.get_closest_marker("gpu")]
-        if not gpu_rules or self.settings.require_gpu:
-            return
-        probe = hardware.probe_cuda()
-        if not probe.names:
-            skip = pytest.mark.skip(reason=f"no CUDA device visible ({probe.source})")
-            for item in gpu_rules:
-                item.add_marker(skip)
-
-    def finish_collection(self, session: pytest.Session) -> None:
-        if self.config is not None:
-            refusals.check_selection(session, self.settings, self.config, self.tally)
-            # What each engine measures follows the rule tests left after -k/-m deselection that will run.
-            cases = [cast(Case, item.callspec.params["case"]) for item in session.items
-                     if refusals.is_rule(item) and not item.get_closest_marker("skip")]
-            self.needs = needs_of(cases)
-
-    def require_gpu(self, item: pytest.Item) -> None:
-        if not (refusals.is_rule(item) and item.get_closest_marker("gpu")) or not self.settings.require_gpu:
-            return
-        probe = hardware.probe_cuda()
-        if not probe.names:
-            pytest.fail(
-                f"--fp8gate-require-gpu: no CUDA device visible ({probe.source}); "
-                "a deploy gate must never pass by skipping",
-                pytrace=False,
-            )
 
     def header_lines(self) -> list[str]:
         settings, gate = self.settings, self.config
@@ -93,10 +63,6 @@ class RunState:
             required = "; required" if settings.require_gpu else ""
             lines.append(f"fp8gate GPUs: {', '.join(probe.names) or 'none visible'} ({probe.source}{required})")
         return lines
-
-    def finish(self, session: pytest.Session) -> None:
-        if self.config is not None:
-            refusals.check_gpu_ran(session, self.settings, self.config, self.tally)
 
 
 STATE_KEY = pytest.StashKey[RunState]()
