@@ -112,7 +112,8 @@ def test_the_gate_prints_and_reports_where_its_time_went(pytester: pytest.Pytest
     assert sum(row["seconds"] for row in rows) == pytest.approx(time["wall_s"], abs=0.01)
     assert rows[-1]["owner"] == timing.REMAINDER
     parts = {(row["owner"], row["part"]) for row in rows}
-    assert {("bf16", "engine start"), ("bad", "main logprobs"), (timing.GATE, "reporting")} <= parts
+    assert {("bf16", "engine start"), ("bad", "main logprobs"), (timing.GATE, "reporting"),
+            (timing.GATE, "preflight")} <= parts  # the checks before any engine: not judging's
     judging = next(row for row in rows if row["part"] == "judging")
     assert set(judging["within"]) == {"mean_kl"} and judging["within"]["mean_kl"] <= judging["seconds"]  # by rule
     markdown = (pytester.path / "out" / "report.md").read_text()

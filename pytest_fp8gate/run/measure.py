@@ -249,8 +249,9 @@ class Measurements:
         return total
 
     def _measure_baseline(self) -> None:
-        problem = preflight.key_problem(self.config, self.needs) or preflight.parallelism_problem(
-            self.config, len(hardware.cuda_device_names()), self.needs)
+        with self.time.span(timing.GATE, "preflight"):
+            problem = preflight.key_problem(self.config, self.needs) or preflight.parallelism_problem(
+                self.config, len(hardware.cuda_device_names()), self.needs)
         if problem:
             raise MeasurementError(problem)
         # The seam of the baseline cache: it returns a stored record, or measures one and stores it.
@@ -263,8 +264,8 @@ class Measurements:
                 record = self.baseline_cache.fetch(spec, self.baseline_key(self._all_needs()),
                                                    self.artifacts / spec.name, self._measure_baseline_engines,
                                                    self._endpoint_drift if external else None)
-            if self._all_needs().speed and record.cached:  # where this checkout keeps the weights
-                self._look_up_speed_inputs(record.result)
+                if self._all_needs().speed and record.cached:  # where this checkout keeps the weights
+                    self._look_up_speed_inputs(record.result)
         self._chunks = record.chunks
         self.baseline_record = record
 
@@ -302,7 +303,8 @@ class Measurements:
         spec, needs = self.config.baseline, self._all_needs()
         # Only the probability and answer rules read a noise floor: a speed-only run starts no noise engine.
         passes = self.config.noise.passes if needs.probabilities or needs.tasks or needs.decode else ()
-        problem = preflight.hub_problem(self.config, self.needs) or self._task_problem(needs.tasks)
+        with self.time.span(timing.GATE, "preflight"):
+            problem = preflight.hub_problem(self.config, self.needs) or self._task_problem(needs.tasks)
         if problem:
             raise MeasurementError(problem)
         with self._running(spec, spec.name) as engine:
@@ -470,7 +472,8 @@ class Measurements:
         from . import lm_adapter
 
         if self._task_manager is None:
-            self._task_manager = lm_adapter.task_manager(self.config.tasks)
+            with self.time.span(timing.GATE, "indexing lm-eval's tasks"):
+                self._task_manager = lm_adapter.task_manager(self.config.tasks)
         return self._task_manager
 
     def _task_problem(self, names: frozenset[str]) -> str | None:
