@@ -114,14 +114,17 @@ class TimeLedger:
         self.started = clock()
         self._seconds: dict[tuple[str, str], float] = {}
         self._within: dict[tuple[str, str], dict[str, float]] = {}
-        self._open: list[list[Any]] = []  # [key, last time it was charged]
+        self._open: list[list[Any]] = []  # [key, last time it was charged, seconds charged to it]
 
     @contextlib.contextmanager
-    def span(self, owner: str, part: str) -> Iterator[None]:
+    def span(self, owner: str, part: str, within: str | None = None) -> Iterator[None]:
+        """Charge the block's seconds to (owner, part), less its nested spans'; ``within``: also note them
+        under that name in the part's brackets (judging: the rule judged)."""
         now = self._clock()
         if self._open:
             self._charge(self._open[-1], now)
-        self._open.append([(owner, part), now])
+        entry: list[Any] = [(owner, part), now, 0.0]
+        self._open.append(entry)
         try:
             yield
         finally:
@@ -129,20 +132,18 @@ class TimeLedger:
             self._charge(self._open.pop(), now)
             if self._open:
                 self._open[-1][1] = now
+            if within is not None:
+                self.note_within(owner, part, {within: entry[2]})
 
     def _charge(self, entry: list[Any], now: float) -> None:
-        key, since = entry
-        self._seconds[key] = self._seconds.get(key, 0.0) + now - since
+        """Charge ``entry``'s span (key, last charged, its own seconds) up to ``now``."""
+        seconds = now - entry[1]
+        self._seconds[entry[0]] = self._seconds.get(entry[0], 0.0) + seconds
         entry[1] = now
-
-    def charged(self, owner: str, part: str) -> float:
-        """Seconds charged to (owner, part) so far, the innermost open span's time up to now included."""
-        if self._open:
-            self._charge(self._open[-1], self._clock())
-        return self._seconds.get((owner, part), 0.0)
+        entry[2] += seconds
 
     def note_within(self, owner: str, part: str, phases: dict[str, float]) -> None:
-        """What a part held, by vLLM's own account (summed over the part's spans)."""
+        """What a part held (vLLM's own account of an engine start, the rules judged), summed over its spans."""
         held = self._within.setdefault((owner, part), {})
         for name, seconds in phases.items():
             held[name] = held.get(name, 0.0) + seconds

