@@ -133,12 +133,16 @@ def test_the_deadline_bounds_the_whole_request_however_its_bytes_arrive(monkeypa
         assert time.monotonic() - started < 1 + SLACK_S
 
 
-def test_a_hung_server_costs_one_deadline_not_one_per_request():
+def test_a_hung_server_costs_one_deadline_not_one_per_request(monkeypatch: pytest.MonkeyPatch):
     """More chunks than MAX_IN_FLIGHT, none answered: the first deadline aborts those in flight, the rest never
-    go out."""
+    go out. (A smaller cap than the default's 1,024: the fake accepts one connection at a time.)"""
     from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
-    from pytest_fp8gate.engines.served_engine import MAX_IN_FLIGHT, ServedEngine
+    from pytest_fp8gate.engines import served_engine
+    from pytest_fp8gate.engines.served_engine import ServedEngine
     from pytest_fp8gate.errors import EndpointTimeout
+
+    monkeypatch.setattr(served_engine, "MAX_IN_FLIGHT", 64)
+    MAX_IN_FLIGHT = served_engine.MAX_IN_FLIGHT
 
     fake = FakeEndpoint(Knobs(hang_after=2))
     with fake as url:

@@ -49,10 +49,12 @@ from .server_process import ManagedServer
 
 log = logging.getLogger("fp8gate")
 
-# Concurrent requests for an all-at-once layout: as many as vLLM batches at once by default (max_num_seqs,
-# 256 on most GPUs, 1,024 on 70 GB+ ones), so a served pass batches about as the in-process one, which submits
-# every request at once; 32 held an 8B model's 500 task generations to batches of 32 (issue 33).
-MAX_IN_FLIGHT = 256
+# Concurrent requests for an all-at-once layout: as many as vLLM batches at once by default on the GPUs the
+# gate serves 8B-405B models on (max_num_seqs 1,024 on 70 GB+ cards, for `vllm serve` and vllm.LLM alike), so
+# a served pass batches as the in-process one, which submits every request at once. Fewer held an 8B model's
+# 500 task generations to smaller batches and more decode steps (32: 1.4x the in-process task pass; 256:
+# 1.0-1.6x, issue 33); on a card with a smaller max_num_seqs the server queues the rest.
+MAX_IN_FLIGHT = 1024
 CLAMPED_LOGPROB = -9999.0  # vLLM's JSON stands this in for -inf
 NO_ID_SCORING = "the completions API takes no prompt_logprob_token_ids"
 _KV_LOG = re.compile(r"KV cache size: ([\d,]+) tokens")
