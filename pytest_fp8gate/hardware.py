@@ -9,10 +9,14 @@ seconds, and the plugin must stay cheap to load).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from . import gpu_bandwidths
 
@@ -148,13 +152,9 @@ def nvml_bandwidth_gbps(index: int = 0) -> tuple[float | None, str]:
     (double data rate) / 8, in decimal GB/s; None and why where NVML cannot say. Uses the NVML
     binding vLLM vendors (``vllm.third_party.pynvml``), else ``pynvml``. ``index`` counts NVML's
     devices, which follow CUDA_VISIBLE_DEVICES only where the first visible device is NVML's 0."""
-    try:
-        from vllm.third_party import pynvml
-    except ImportError:
-        try:
-            import pynvml  # type: ignore[no-redef,import-not-found,unused-ignore]
-        except ImportError:
-            return None, "no NVML binding (vllm.third_party.pynvml or pynvml)"
+    pynvml = _nvml_binding()
+    if pynvml is None:
+        return None, "no NVML binding (vllm.third_party.pynvml or pynvml)"
     try:
         pynvml.nvmlInit()
     except Exception as err:  # no driver: pynvml raises its own NVMLError
@@ -170,6 +170,33 @@ def nvml_bandwidth_gbps(index: int = 0) -> tuple[float | None, str]:
     if not clock_mhz or not bus_bits:
         return None, f"NVML reported memory clock {clock_mhz} MHz, bus width {bus_bits} bits"
     return clock_mhz * 1e6 * 2 * bus_bits / 8 / 1e9, f"NVML: {clock_mhz} MHz x {bus_bits} bits x 2 / 8"
+
+
+def _nvml_binding() -> Any | None:
+    """The NVML binding vLLM vendors, loaded from its file, else ``pynvml``; None without either.
+
+    From its file because ``import vllm.third_party`` runs vLLM's package import, which imports torch
+    (6 s on 2 CPU cores). Charged to whoever asked first: a cached baseline's speed inputs took 10.1 s on
+    an H100 in a warm run, 0.6 s in a cold one where vLLM was already in (issue 33). The file is a
+    self-contained ctypes binding."""
+    found = importlib.util.find_spec("vllm")  # finds the package without importing it
+    for folder in (found.submodule_search_locations or []) if found is not None else []:
+        path = Path(folder) / "third_party" / "pynvml.py"
+        spec = importlib.util.spec_from_file_location("fp8gate_vllm_pynvml", path) if path.is_file() else None
+        if spec is not None and spec.loader is not None:
+            if spec.name not in sys.modules:  # the binding finds itself there while it loads
+                sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+                try:
+                    spec.loader.exec_module(sys.modules[spec.name])
+                except Exception:  # a binding that cannot load here: as if there were none
+                    del sys.modules[spec.name]
+                    break
+            return sys.modules[spec.name]
+    try:
+        import pynvml  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    return pynvml
 
 
 NVML_DISAGREEMENT = 0.10  # share of the table's figure beyond which NVML's is reported next to it

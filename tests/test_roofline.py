@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -324,10 +326,17 @@ def test_nvml_bandwidth_is_memory_clock_times_bus_width_double_data_rate(monkeyp
         nvmlDeviceGetHandleByIndex=lambda index: ("gpu", index),
         nvmlDeviceGetMaxClockInfo=lambda handle, kind: 3201 if kind == 2 else 0,
         nvmlDeviceGetMemoryBusWidth=lambda handle: 6144)
-    third_party = types.ModuleType("vllm.third_party")
-    third_party.pynvml = fake  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "vllm.third_party", third_party)
-    monkeypatch.setitem(sys.modules, "vllm.third_party.pynvml", fake)
+    monkeypatch.setattr(hardware, "_nvml_binding", lambda: fake)
     gbps, how = hardware.nvml_bandwidth_gbps()
     assert gbps == pytest.approx(3201e6 * 2 * 6144 / 8 / 1e9) and round(gbps) == 4917
     assert how == "NVML: 3201 MHz x 6144 bits x 2 / 8" and calls == ["init", "shutdown"]
+
+
+def test_nvml_binding_loads_without_importing_vllm():
+    """vLLM's vendored binding, from its file: importing vllm (and torch with it) would cost seconds."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("no vLLM installed")
+    code = ("import sys; from pytest_fp8gate import hardware; binding = hardware._nvml_binding(); "
+            "print(callable(binding.nvmlInit), 'vllm' in sys.modules, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split() == ["True", "False", "False"], done.stdout + done.stderr
