@@ -51,9 +51,9 @@ log = logging.getLogger("fp8gate")
 
 # Concurrent requests for an all-at-once layout: as many as vLLM batches at once by default on the GPUs the
 # gate serves 8B-405B models on (max_num_seqs 1,024 on 70 GB+ cards, for `vllm serve` and vllm.LLM alike), so
-# a served pass batches as the in-process one, which submits every request at once. Fewer held an 8B model's
-# 500 task generations to smaller batches and more decode steps (32: 1.4x the in-process task pass; 256:
-# 1.0-1.6x, issue 33); on a card with a smaller max_num_seqs the server queues the rest.
+# a served pass batches as the in-process one, which submits every request at once (an 8B model's 500 task
+# generations: 1.3-1.5x the in-process pass at 1,024 on an H100, 1.6x at 256 on an H200, issue 33; the rest
+# is the server's front end). On a card with a smaller max_num_seqs the server queues the rest.
 MAX_IN_FLIGHT = 1024
 CLAMPED_LOGPROB = -9999.0  # vLLM's JSON stands this in for -inf
 NO_ID_SCORING = "the completions API takes no prompt_logprob_token_ids"
