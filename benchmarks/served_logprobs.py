@@ -139,7 +139,7 @@ def main() -> int:
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--in-flight", type=int, nargs="+", default=[1, 4, 32],
-                        help="requests in flight at once (served_engine.MAX_IN_FLIGHT) for each served pass")
+                        help="requests in flight at once (the served table's max_in_flight) for each served pass")
     parser.add_argument("--cuda", action="store_true", help="the CUDA build on a GPU: no CPU engine settings")
     parser.add_argument("--shape", default=None, help="instead of --model: this shape "
                         "(pytest_fp8gate.tools.shapes) with random BF16 weights, written once under --workdir "
@@ -208,7 +208,7 @@ def main() -> int:
     try:
         served.prompt_logprobs(chunks[:1], args.top_k, False)  # warm-up
         for in_flight in args.in_flight:
-            served_engine.MAX_IN_FLIGHT = in_flight
+            served.served = dataclasses.replace(served.served, max_in_flight=in_flight)
             first: LogprobRun | None = None
             for label, mode, route in passes:
                 served.probe = dataclasses.replace(served.probe, prompt_route=route)

@@ -102,6 +102,26 @@ def test_the_deadline_is_a_served_model_s_setting_and_the_option_sets_every_one(
         load_config(path)
 
 
+def test_requests_in_flight_are_a_served_model_s_setting_that_keys_its_baseline(tmp_path: Path):
+    from pytest_fp8gate.config.loader import load_config
+    from pytest_fp8gate.engines.served_engine import cache_key
+
+    path = _config(tmp_path, _keyed("http://127.0.0.1:1") + "\nmax_in_flight = 16",
+                   _keyed("http://127.0.0.1:2", "served-fp8"))
+    config = load_config(path)
+    assert config.baseline.served is not None and config.candidates[0].served is not None
+    assert (config.baseline.served.max_in_flight, config.candidates[0].served.max_in_flight) == (16, 1024)
+    assert cache_key(config.baseline.served)["max_in_flight"] == 16
+    for bad in ("0", "2.5", '"all"'):
+        path.write_text(re.sub(r"max_in_flight = \S+", f"max_in_flight = {bad}", path.read_text()))
+        with pytest.raises(ConfigError, match=r"thresholds.toml: baseline.max_in_flight: expected an integer"):
+            load_config(path)
+    path.write_text(f'[baseline]\nname = "bf16"\nmodel = "{MODEL}"\nmax_in_flight = 8\n[[candidates]]\n'
+                    'name = "fp8"\nquantization = "fp8_per_channel"\n[speed]\n')
+    with pytest.raises(ConfigError, match=r"baseline.max_in_flight: applies only to a served model"):
+        load_config(path)
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
 def test_a_bad_deadline_option_is_a_usage_error(pytester: pytest.Pytester, value: str):
     _config(pytester.path, _keyed("http://127.0.0.1:1"), _keyed("http://127.0.0.1:2", "served-fp8"))
@@ -133,29 +153,28 @@ def test_the_deadline_bounds_the_whole_request_however_its_bytes_arrive(monkeypa
         assert time.monotonic() - started < 1 + SLACK_S
 
 
-def test_a_hung_server_costs_one_deadline_not_one_per_request(monkeypatch: pytest.MonkeyPatch):
-    """More chunks than MAX_IN_FLIGHT, none answered: the first deadline aborts those in flight, the rest never
+def test_a_hung_server_costs_one_deadline_not_one_per_request():
+    """More chunks than max_in_flight, none answered: the first deadline aborts those in flight, the rest never
     go out. (A smaller cap than the default's 1,024: the fake accepts one connection at a time.)"""
     from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
-    from pytest_fp8gate.engines import served_engine
     from pytest_fp8gate.engines.served_engine import ServedEngine
     from pytest_fp8gate.errors import EndpointTimeout
 
-    monkeypatch.setattr(served_engine, "MAX_IN_FLIGHT", 64)
-    MAX_IN_FLIGHT = served_engine.MAX_IN_FLIGHT
+    in_flight = 64
 
     fake = FakeEndpoint(Knobs(hang_after=2))
     with fake as url:
-        spec = ModelSpec("bf16", MODEL, None, {}, served=ServedSpec("served-bf16", endpoint=url, request_deadline_s=1))
+        spec = ModelSpec("bf16", MODEL, None, {}, served=ServedSpec("served-bf16", endpoint=url, request_deadline_s=1,
+                                                                    max_in_flight=in_flight))
         engine = ServedEngine(spec, max_logprobs=5)
         started = time.monotonic()
         with pytest.raises(EndpointTimeout, match="gave up after 1"):
-            engine.prompt_logprobs([[1, 2, 3]] * (MAX_IN_FLIGHT + 8), 5, False)
+            engine.prompt_logprobs([[1, 2, 3]] * (in_flight + 8), 5, False)
         took = time.monotonic() - started
         engine.shutdown()
     # Some of those in flight may still be connecting (the fake accepts one at a time): at most the socket's
     # own timeout, a second past the deadline, ends them.
-    assert took < 1 + SLACK_S and len(fake.hung_at) <= MAX_IN_FLIGHT
+    assert took < 1 + SLACK_S and len(fake.hung_at) <= in_flight
 
 
 # ---- faults through the whole gate ------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Sequence, TypeVar
 from .. import checkpoint, gpu_bandwidths
 from ..errors import CheckpointError, ConfigError, UnsupportedEngine
 from . import checks, engine_args, schema
-from .served import REQUEST_DEADLINE_S, endpoint_problem, flag_conflict
+from .served import MAX_IN_FLIGHT, REQUEST_DEADLINE_S, endpoint_problem, flag_conflict
 from .spec import (
     CPU_MIN_THROUGHPUT_FRACTION,
     WIKITEXT_2,
@@ -201,6 +201,7 @@ class _Parser:
             raise self.error(table.key("engine"), "engine keys are vllm.LLM's; a served model's settings are "
                                                   "its serve command's flags")
         deadline = table.get("request_deadline_s", checks.number(0, low_open=True), REQUEST_DEADLINE_S)
+        in_flight = table.get("max_in_flight", checks.integer(1), MAX_IN_FLIGHT)
         if "serve" in table.raw:
             for key in ("model", "quantization", "served_model_name", "api_key_env"):
                 if key in table.raw:
@@ -220,7 +221,7 @@ class _Parser:
                 served_model_name=checks.flag_value(argv, "--served-model-name", str) or model,
                 command=tuple(argv),
                 health_timeout_s=table.get("health_timeout_s", checks.number(0, low_open=True), 600.0),
-                request_deadline_s=deadline)
+                request_deadline_s=deadline, max_in_flight=in_flight)
         else:
             for key in ("env", "health_timeout_s"):
                 if key in table.raw:
@@ -239,7 +240,7 @@ class _Parser:
             quantization = table.get("quantization", schema.QUANTIZATION, "") or None
             engine = {}
             served = ServedSpec(served_model_name=served_name, endpoint=endpoint.rstrip("/"), api_key_env=key_env,
-                                request_deadline_s=deadline)
+                                request_deadline_s=deadline, max_in_flight=in_flight)
         # A served model's env is its own, like its command (not merged over the baseline's).
         env = self.env(table.key("env"), table.raw.get("env", {}), served=True) if served.managed else {}
         spec = ModelSpec(name, model, quantization, engine, env, served)

@@ -33,7 +33,7 @@ NOISE_KEYS = ("passes", "candidate_passes")
 
 # --- served models (issue 20) -------------------------------------------------
 SERVED_ONLY_KEYS = ("serve", "health_timeout_s", "endpoint", "served_model_name", "api_key_env",
-                    "request_deadline_s")
+                    "request_deadline_s", "max_in_flight")
 SERVE_INSTEAD = {
     "model": "the command names the model (vllm serve MODEL)",
     "quantization": "give --quantization in the command",

@@ -1,4 +1,5 @@
-"""A served model's settings that the loader checks: the endpoint URL, the request deadline, and the
+"""A served model's settings that the loader checks: the endpoint URL, the request deadline, the
+requests in flight, and the
 `vllm serve` flags the gate sets itself. The engines (http_client, server_process) read the same
 definitions, so the loader imports no engine module.
 """
@@ -10,6 +11,13 @@ from collections.abc import Sequence
 
 # The default whole-request deadline (request_deadline_s; docs/thresholds.md: its basis).
 REQUEST_DEADLINE_S = 600.0
+# The default requests in flight (max_in_flight) in a pass that sends all at once: as many as vLLM batches
+# at once by default on the cards 8B-405B models are served on (max_num_seqs 1,024 on 70 GB+ cards, for
+# `vllm serve` and vllm.LLM alike), so a served pass batches as the in-process one, which submits every
+# request at once (an 8B model's 500 task generations: 1.3-1.5x the in-process pass at 1,024 on an H100,
+# 1.6x at 256 on an H200, issue 33; the rest is the server's front end). A server with a smaller
+# max_num_seqs queues the rest; an endpoint behind a proxy that limits connections needs a lower figure.
+MAX_IN_FLIGHT = 1024
 HOST = "127.0.0.1"  # the gate talks to its own server on loopback only
 # Flags of `vllm serve` the gate sets itself, and why a user value cannot stand.
 GATE_FLAGS = {

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from ..core.buckets import DEFAULT_EDGES, MIN_BUCKET_POSITIONS
 from ..core.rules import SHARE_OF_BASELINE
-from .served import REQUEST_DEADLINE_S
+from .served import MAX_IN_FLIGHT, REQUEST_DEADLINE_S
 
 
 # --- served models (issue 20) ----------------------------------------------------------
@@ -33,6 +33,7 @@ class ServedSpec:
     health_timeout_s: float = 600.0
     # Each request answered in full within this (streams included), or the measurement fails naming it.
     request_deadline_s: float = REQUEST_DEADLINE_S
+    max_in_flight: int = MAX_IN_FLIGHT  # requests in flight at once in a pass that sends all at once
 
     @property
     def managed(self) -> bool:

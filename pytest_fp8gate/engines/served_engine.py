@@ -12,7 +12,7 @@ Measure, gate and report see the same methods as for an in-process ``vllm.LLM``:
   token id, with the generated ids (``return_token_ids``);
 - a ``BatchLayout`` becomes order and concurrency: requests submitted in the layout's
   order (its ``stride`` and ``reverse`` included, so each request's neighbours in the
-  server's batches change), up to ``MAX_IN_FLIGHT`` in flight, or calls of ``size``
+  server's batches change), up to ``max_in_flight`` in flight, or calls of ``size``
   concurrent requests;
 - latency from streamed responses: time to the first token as the prefill, TPOT from
   the rest, so ``Latency.decode_tok_s`` is 1 / TPOT;
@@ -49,12 +49,6 @@ from .server_process import ManagedServer
 
 log = logging.getLogger("fp8gate")
 
-# Concurrent requests for an all-at-once layout: as many as vLLM batches at once by default on the GPUs the
-# gate serves 8B-405B models on (max_num_seqs 1,024 on 70 GB+ cards, for `vllm serve` and vllm.LLM alike), so
-# a served pass batches as the in-process one, which submits every request at once (an 8B model's 500 task
-# generations: 1.3-1.5x the in-process pass at 1,024 on an H100, 1.6x at 256 on an H200, issue 33; the rest
-# is the server's front end). On a card with a smaller max_num_seqs the server queues the rest.
-MAX_IN_FLIGHT = 1024
 CLAMPED_LOGPROB = -9999.0  # vLLM's JSON stands this in for -inf
 NO_ID_SCORING = "the completions API takes no prompt_logprob_token_ids"
 _KV_LOG = re.compile(r"KV cache size: ([\d,]+) tokens")
@@ -131,7 +125,7 @@ class ServedEngine(Engine):
         """The first choice of each request, sent in the layout's order and concurrency, in request order."""
         base = {"model": self.served.served_model_name, **served_api.GREEDY}
         return _in_layout(layout, bodies, lambda body: served_api.completion(
-            self.client, self.where, {**base, **body}), self.client)
+            self.client, self.where, {**base, **body}), self.client, self.served.max_in_flight)
 
     def _prompt_answers(self, prompts: Sequence[Sequence[int]], want: int, layout: BatchLayout,
                         read: Callable[[int, list[Any]], T]) -> list[T]:
@@ -146,7 +140,7 @@ class ServedEngine(Engine):
                                     f"{len(prompt)} prompt tokens")
             return read(at, rows)
 
-        return _in_layout(layout, range(len(prompts)), ask, self.client)
+        return _in_layout(layout, range(len(prompts)), ask, self.client, self.served.max_in_flight)
 
     # ---- probabilities -----------------------------------------------------
 
@@ -227,7 +221,7 @@ class ServedEngine(Engine):
             return first - started, time.perf_counter() - started
 
         def timed() -> tuple[float, float]:
-            times = _in_layout(ALL_AT_ONCE, prompts, one, self.client)
+            times = _in_layout(ALL_AT_ONCE, prompts, one, self.client, self.served.max_in_flight)
             return max(t[1] for t in times), max(t[0] for t in times)
 
         return timed_latency(timed, input_len, output_len, batch_size, warmup_iters, iters, min_iters,
@@ -260,8 +254,8 @@ class ServedEngine(Engine):
 
 
 def _in_layout(layout: BatchLayout, items: Sequence[Any], send: Callable[[Any], T],
-               client: EndpointClient) -> list[T]:
-    """``send`` each item: all at once (at most MAX_IN_FLIGHT in flight) or in the layout's calls of ``size``
+               client: EndpointClient, max_in_flight: int) -> list[T]:
+    """``send`` each item: all at once (at most ``max_in_flight`` in flight) or in the layout's calls of ``size``
     concurrent requests; results in item order. The first failure ends the rest: those not sent are
     cancelled, those in flight at ``client`` aborted, so a hang costs one deadline, not one per request."""
     results: list[Any] = [None] * len(items)
@@ -278,7 +272,7 @@ def _in_layout(layout: BatchLayout, items: Sequence[Any], send: Callable[[Any], 
             raise
 
     for batch in layout.batches(len(items)):
-        with ThreadPoolExecutor(max_workers=max(1, min(len(batch), layout.size or MAX_IN_FLIGHT))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(len(batch), layout.size or max_in_flight))) as pool:
             futures = [pool.submit(send_unless_failed, items[i]) for i in batch]
             try:
                 for i, future in zip(batch, futures):
@@ -402,9 +396,10 @@ def _with_dtype(command: Sequence[str], dtype: str | None) -> list[str]:
 
 def cache_key(served: ServedSpec) -> dict[str, Any]:
     """What of a served baseline keys the baseline cache besides its env (which the cache keys for
-    every model): the command line, or the redacted endpoint and model name."""
+    every model): the command line, or the redacted endpoint and model name; and the requests in flight,
+    which shape the server's batches."""
     return {"serve": list(served.command), "endpoint": redact_url(served.endpoint or ""),
-            "served_model_name": served.served_model_name}
+            "served_model_name": served.served_model_name, "max_in_flight": served.max_in_flight}
 
 
 def _described(spec: ModelSpec, dtype: str | None) -> dict[str, Any]:
