@@ -319,7 +319,8 @@ def test_prompt_logprobs_take_the_token_route_where_it_scores_as_the_completions
         probed = len(knobs.requests)
         run = engine.prompt_logprobs([[1, 5, 9, 7], [2, 3, 4]], 4, False)
         scored = engine.continuation_logprobs([[1, 5, 9, 7]], [2])
-        assert engine.facts()["prompt_logprobs_route"] == expected
+        facts = engine.facts()
+        assert (facts["prompt_logprobs_route"], facts["max_in_flight"]) == (expected, 1024)
         engine.shutdown()
     assert knobs.requests[probed:] == [expected] * 3  # every prompt log-prob request after the probe
     np.testing.assert_array_equal(run.top_ids, [[0, 1, 2, 3]] * 5)  # the fake's ranks, either route

@@ -117,7 +117,8 @@ class ServedEngine(Engine):
     def facts(self) -> dict[str, Any]:
         return {"served_model_name": self.served.served_model_name, "endpoint": self.client.shown,
                 "server_version": self.probe.version, "max_model_len": str(self.probe.max_model_len),
-                "managed": self.served.managed, "prompt_logprobs_route": self.probe.prompt_route}
+                "managed": self.served.managed, "prompt_logprobs_route": self.probe.prompt_route,
+                "max_in_flight": self.served.max_in_flight}
 
     # ---- requests ----------------------------------------------------------
 
