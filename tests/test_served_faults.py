@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from fake_endpoint import FakeEndpoint, Knobs
+from pytest_fp8gate.config.spec import GateConfig
 from pytest_fp8gate.engines import lifecycle, server_process
 from pytest_fp8gate.errors import ConfigError, EndpointError
 from test_served import MODEL, PROBABILITY_RULES, _config, _external
@@ -81,13 +82,32 @@ def _gate(pytester: pytest.Pytester, base: Knobs, cand: Knobs, *args: str, base_
 
 # ---- the deadline's settings ---------------------------------------------------------
 
+def _served_setting(tmp_path: Path, line: str) -> tuple[Path, GateConfig]:
+    """Two keyed endpoints, ``line`` in the baseline's table only; the file and its config."""
+    from pytest_fp8gate.config.loader import load_config
+
+    path = _config(tmp_path, _keyed("http://127.0.0.1:1") + f"\n{line}", _keyed("http://127.0.0.1:2", "served-fp8"))
+    config = load_config(path)
+    assert config.baseline.served is not None and config.candidates[0].served is not None
+    return path, config
+
+
+def _refused_off_a_served_model(path: Path, line: str) -> None:
+    """``line`` in an in-process baseline's table is refused, naming its key."""
+    from pytest_fp8gate.config.loader import load_config
+
+    path.write_text(f'[baseline]\nname = "bf16"\nmodel = "{MODEL}"\n{line}\n[[candidates]]\n'
+                    'name = "fp8"\nquantization = "fp8_per_channel"\n[speed]\n')
+    key = line.split(" = ")[0]
+    with pytest.raises(ConfigError, match=rf"baseline.{key}: applies only to a served model"):
+        load_config(path)
+
+
 def test_the_deadline_is_a_served_model_s_setting_and_the_option_sets_every_one(tmp_path: Path):
     from pytest_fp8gate.config.loader import load_config
     from pytest_fp8gate.config.spec import with_request_deadline
 
-    path = _config(tmp_path, _keyed("http://127.0.0.1:1") + "\nrequest_deadline_s = 30",
-                   _keyed("http://127.0.0.1:2", "served-fp8"))
-    config = load_config(path)
+    path, config = _served_setting(tmp_path, "request_deadline_s = 30")
     assert config.baseline.served is not None and config.candidates[0].served is not None
     assert (config.baseline.served.request_deadline_s, config.candidates[0].served.request_deadline_s) == (30, 600)
     overridden = with_request_deadline(config, 2.5)
@@ -96,19 +116,14 @@ def test_the_deadline_is_a_served_model_s_setting_and_the_option_sets_every_one(
     with pytest.raises(ConfigError, match=r"thresholds.toml: baseline.request_deadline_s: expected a number > 0, "
                                           r"got 0$"):
         load_config(path)
-    path.write_text(f'[baseline]\nname = "bf16"\nmodel = "{MODEL}"\nrequest_deadline_s = 5\n[[candidates]]\n'
-                    'name = "fp8"\nquantization = "fp8_per_channel"\n[speed]\n')
-    with pytest.raises(ConfigError, match=r"baseline.request_deadline_s: applies only to a served model"):
-        load_config(path)
+    _refused_off_a_served_model(path, "request_deadline_s = 5")
 
 
 def test_requests_in_flight_are_a_served_model_s_setting_that_keys_its_baseline(tmp_path: Path):
     from pytest_fp8gate.config.loader import load_config
     from pytest_fp8gate.engines.served_engine import cache_key
 
-    path = _config(tmp_path, _keyed("http://127.0.0.1:1") + "\nmax_in_flight = 16",
-                   _keyed("http://127.0.0.1:2", "served-fp8"))
-    config = load_config(path)
+    path, config = _served_setting(tmp_path, "max_in_flight = 16")
     assert config.baseline.served is not None and config.candidates[0].served is not None
     assert (config.baseline.served.max_in_flight, config.candidates[0].served.max_in_flight) == (16, 1024)
     assert cache_key(config.baseline.served)["max_in_flight"] == 16
@@ -116,10 +131,7 @@ def test_requests_in_flight_are_a_served_model_s_setting_that_keys_its_baseline(
         path.write_text(re.sub(r"max_in_flight = \S+", f"max_in_flight = {bad}", path.read_text()))
         with pytest.raises(ConfigError, match=r"thresholds.toml: baseline.max_in_flight: expected an integer"):
             load_config(path)
-    path.write_text(f'[baseline]\nname = "bf16"\nmodel = "{MODEL}"\nmax_in_flight = 8\n[[candidates]]\n'
-                    'name = "fp8"\nquantization = "fp8_per_channel"\n[speed]\n')
-    with pytest.raises(ConfigError, match=r"baseline.max_in_flight: applies only to a served model"):
-        load_config(path)
+    _refused_off_a_served_model(path, "max_in_flight = 8")
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
