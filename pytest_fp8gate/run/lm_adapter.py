@@ -7,6 +7,7 @@ explicit BOS handling, and a batch layout that the noise pass can change.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -222,17 +223,18 @@ def run_task(
 
     lm = EngineLM(engine, add_bos_token=task.add_bos_token, max_gen_toks=task.max_gen_toks, layout=layout,
                   chat_template_kwargs=dict(task.chat_template_kwargs), think_end=task.think_end)
-    results = simple_evaluate(
-        model=lm,
-        tasks=[task.task],
-        num_fewshot=task.num_fewshot,
-        limit=task.limit or None,
-        log_samples=True,
-        apply_chat_template=task.apply_chat_template,
-        fewshot_as_multiturn=task.fewshot_as_multiturn,
-        task_manager=manager,
-        bootstrap_iters=0,
-    )
+    with _without_torch_env_report():
+        results = simple_evaluate(
+            model=lm,
+            tasks=[task.task],
+            num_fewshot=task.num_fewshot,
+            limit=task.limit or None,
+            log_samples=True,
+            apply_chat_template=task.apply_chat_template,
+            fewshot_as_multiturn=task.fewshot_as_multiturn,
+            task_manager=manager,
+            bootstrap_iters=0,
+        )
     rows = [dict(row, task=sub, **{SAMPLES_RUN_ID: run_id}, **_generation_fields(lm, sub, row))
             for sub, sub_rows in results["samples"].items() for row in sub_rows]
     if len(results["samples"]) > 1:
@@ -243,3 +245,31 @@ def run_task(
     atomic_write_text(directory / f"results_{task.name}.json",
                       json.dumps(results["results"], indent=1, default=str))
     return path
+
+
+ENV_REPORT_LEFT_OUT = "left out by fp8gate (its provenance.json records the environment)"
+
+
+@contextlib.contextmanager
+def _without_torch_env_report() -> Iterator[None]:
+    """``simple_evaluate`` ends by adding torch's environment report to its results, and that report calls
+    ``torch.cuda.init()`` in this process wherever a GPU is visible. vLLM must then spawn every later engine
+    core instead of forking it (it cannot fork a process that holds a CUDA context), which re-imports torch
+    and vLLM: 21-29 s more for each engine start after the first task pass on an H100. The gate's process
+    would also hold a CUDA context on the GPU it measures. The gate reads nothing of that report, so it is
+    left out for the call; lm-eval releases without the hook are left as they are."""
+    from lm_eval import evaluator
+
+    original = getattr(evaluator, "add_env_info", None)
+    if original is None:
+        yield
+        return
+
+    def without_report(storage: dict[str, Any]) -> None:
+        storage["pretty_env_info"] = ENV_REPORT_LEFT_OUT
+
+    evaluator.add_env_info = without_report
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = original
