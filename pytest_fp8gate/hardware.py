@@ -3,13 +3,15 @@
 nvidia-smi is asked first: it is fast and leaves no CUDA context behind. It lists
 every GPU on the host, so CUDA_VISIBLE_DEVICES is applied here the way the CUDA
 runtime applies it. torch is the fallback and is imported only then (it takes
-seconds, and the plugin must stay cheap to load).
+seconds, and the plugin must stay cheap to load); the names it gives are read in a child
+process, since reading them creates a CUDA context.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -141,10 +143,34 @@ def _torch_names() -> tuple[tuple[str, ...], str]:
         return (), f"importing torch failed: {err}"
     try:
         count = torch.cuda.device_count()  # does not create a CUDA context
-        # Reading names does create one; by now nvidia-smi could not tell us.
-        return tuple(torch.cuda.get_device_name(i) for i in range(count)), f"torch.cuda.device_count() = {count}"
     except RuntimeError as err:  # a broken driver or CUDA install: no usable device
         return (), f"torch.cuda failed: {err}"
+    if not count:
+        return (), "torch.cuda.device_count() = 0"
+    return _torch_names_in_child(count)
+
+
+# Reading a device's name creates a CUDA context. In the gate's process that context would make vLLM
+# spawn every engine core instead of forking it (20-30 s more a start on an H100), so a child reads them.
+_TORCH_NAMES = ("import json, torch; "
+                "print(json.dumps([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]))")
+_TORCH_NAMES_TIMEOUT_S = 120
+
+
+def _torch_names_in_child(count: int) -> tuple[tuple[str, ...], str]:
+    how = f"torch.cuda.device_count() = {count}, names read in a child process"
+    try:
+        done = subprocess.run([sys.executable, "-c", _TORCH_NAMES], capture_output=True, text=True,
+                              timeout=_TORCH_NAMES_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return (), f"{how}: no answer within {_TORCH_NAMES_TIMEOUT_S} s"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return (), f"{how}: torch.cuda failed: {last}"
+    try:
+        return tuple(json.loads(done.stdout.strip().splitlines()[-1])), how
+    except (IndexError, ValueError):
+        return (), f"{how}: unreadable answer {done.stdout.strip()[-200:]!r}"
 
 
 def nvml_bandwidth_gbps(index: int = 0) -> tuple[float | None, str]:

@@ -12,7 +12,7 @@ from fakes import FIELDS_0_33, MODELS, QUESTIONS, FakeModel, fake_engine_class, 
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core.logprobs import TOPK_KL
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
-from pytest_fp8gate.engines.vllm_engine import IN_PROCESS_ENV, VllmEngine
+from pytest_fp8gate.engines.vllm_engine import IN_PROCESS_ENV, VllmEngine, spawn_cause
 from pytest_fp8gate.errors import GateError, MeasurementError
 from pytest_fp8gate.judge.gate import TOPK_BOUND_SHARE, Gate, topk_gap_note
 from pytest_fp8gate.judge.verdict import Case
@@ -332,6 +332,29 @@ def test_the_in_process_setting_after_an_engine_started_is_refused(vllm_env: pyt
         "deterministic_scheduling: 1 engine(s) already started in this process with their cores in child "
         f"processes, and vLLM reads {IN_PROCESS_ENV} only once; run the gate in a fresh process")
     assert os.environ[IN_PROCESS_ENV] == "1"
+
+
+def test_a_cuda_context_in_the_gates_process_is_named_before_an_engine_start(vllm_env: pytest.MonkeyPatch):
+    import torch
+
+    assert spawn_cause() is None  # no CUDA context here: vLLM forks the core
+    vllm_env.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert spawn_cause().startswith("CUDA is initialized in the gate's process")
+    assert VllmEngine.start_note() == spawn_cause()
+    vllm_env.setenv(IN_PROCESS_ENV, "0")  # the core runs in this process: nothing is forked or spawned
+    assert spawn_cause() is None
+
+
+def test_an_engines_start_note_is_announced_before_it_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    found = measurements(tmp_path, {"good": PROBABILITIES})
+    monkeypatch.setattr(found.engine_class, "start_note", classmethod(lambda cls: "the core will be spawned"))
+    found.candidate("good")
+    lines = found.lines  # type: ignore[attr-defined]
+    starts = [i for i, line in enumerate(lines) if line.startswith("fp8gate: engine start: ")]
+    assert len(starts) == 3  # the baseline, its fp16 noise pass, the candidate
+    for i in starts:  # each right after its engine's start line, naming the engine
+        label = lines[i].split()[3]
+        assert lines[i + 1] == f"fp8gate: {label}: the core will be spawned"
 
 
 def test_a_baseline_far_from_its_expected_accuracy_fails_with_the_harness_message(tmp_path: Path):

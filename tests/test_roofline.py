@@ -340,3 +340,24 @@ def test_nvml_binding_loads_without_importing_vllm():
             "print(callable(binding.nvmlInit), 'vllm' in sys.modules, 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.split() == ["True", "False", "False"], done.stdout + done.stderr
+
+
+def test_torch_names_the_gpus_from_a_child_process(monkeypatch):
+    """Without nvidia-smi, torch names the GPUs. Reading a name creates a CUDA context, and one in the gate's
+    process makes vLLM spawn every engine core instead of forking it, so a child process reads them."""
+    torch = pytest.importorskip("torch")
+    from pytest_fp8gate import hardware
+
+    def in_this_process(index: int) -> str:
+        raise AssertionError("a device name was read in the gate's process")
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", in_this_process)
+    monkeypatch.setattr(hardware, "_TORCH_NAMES", "import json; print(json.dumps(['NVIDIA H100 80GB HBM3']))")
+    names, how = hardware._torch_names()
+    assert names == ("NVIDIA H100 80GB HBM3",) and how.endswith("names read in a child process")
+    assert not torch.cuda.is_initialized()
+    monkeypatch.undo()
+    # The real script, in a child with the real torch: it runs and answers (no device on a CPU-only machine).
+    names, how = hardware._torch_names_in_child(1)
+    assert "failed" not in how and "unreadable" not in how and "no answer" not in how, how

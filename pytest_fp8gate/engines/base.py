@@ -142,6 +142,12 @@ class Engine(abc.ABC):
         skipped with the reason); None by default."""
         return None
 
+    @classmethod
+    def start_note(cls) -> str | None:
+        """What the log should say before this engine starts, such as a cost the start will pay that the gate's
+        process caused; None by default."""
+        return None
+
     @abc.abstractmethod
     def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None: ...
 

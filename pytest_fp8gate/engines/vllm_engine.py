@@ -61,6 +61,10 @@ class VllmEngine(Engine):
     def refusal(cls, spec: ModelSpec, device: str) -> str | None:
         return vllm_refusal(spec, device)
 
+    @classmethod
+    def start_note(cls) -> str | None:
+        return spawn_cause()
+
     def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None:
         from vllm import LLM  # imported here: the plugin must load without vLLM
 
@@ -269,6 +273,17 @@ class VllmEngine(Engine):
         gc.collect()
         cleanup_dist_env_and_memory()
         log.info("fp8gate: stopped engine for %s", self.spec.name)
+
+
+def spawn_cause() -> str | None:
+    """Why vLLM will spawn the next engine core instead of forking it, where this process holds a CUDA
+    context (vLLM cannot fork a process that does); None where it will fork, or runs the core in this process."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)  # torch not imported: no context
+    if os.environ.get(IN_PROCESS_ENV) == "0" or cuda is None or not cuda.is_initialized():
+        return None
+    return ("CUDA is initialized in the gate's process (torch, by something this pytest process ran), so vLLM "
+            "spawns this engine's core instead of forking it, and the core imports torch and vLLM again: "
+            "20-30 s more a start on an H100 (docs/usage.md, \"Keep CUDA out of pytest's own process\")")
 
 
 @contextlib.contextmanager

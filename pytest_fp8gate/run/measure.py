@@ -162,6 +162,8 @@ class Measurements:
         started_at, started = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
         memory = {"before_start": hardware.cuda_free_memory_mib()}
         engine_class = engine_class_for(spec, self.engine_class)
+        if (start_note := engine_class.start_note()) is not None:
+            self.announce(f"fp8gate: {label}: {start_note}")
         start_part = "engine start" if label == spec.name else f"engine start ({label})"
         with self.time.span(spec.name, start_part):
             engine = engine_class(spec, max_logprobs=self._max_logprobs(), dtype=dtype)
