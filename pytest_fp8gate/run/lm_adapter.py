@@ -247,7 +247,7 @@ def run_task(
     return path
 
 
-ENV_REPORT_LEFT_OUT = "left out by fp8gate (its provenance.json records the environment)"
+_ENV_REPORT_LEFT_OUT = "left out by fp8gate (its provenance.json records the environment)"
 
 
 @contextlib.contextmanager
@@ -266,7 +266,7 @@ def _without_torch_env_report() -> Iterator[None]:
         return
 
     def without_report(storage: dict[str, Any]) -> None:
-        storage["pretty_env_info"] = ENV_REPORT_LEFT_OUT
+        storage["pretty_env_info"] = _ENV_REPORT_LEFT_OUT
 
     evaluator.add_env_info = without_report
     try:
