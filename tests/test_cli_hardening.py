@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -66,6 +68,33 @@ def test_roofline_of_a_valid_config_still_works(tmp_path: Path, capsys) -> None:
     config.write_text(json.dumps(LLAMA_LIKE))
     assert cli.main(["roofline", str(config), "--bandwidth-gbps", "100", "--json"]) == 0
     assert _strict_loads(capsys.readouterr().out)["ceiling_tok_s"] > 0
+
+
+LLAMA_70B = {**LLAMA_LIKE, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}
+
+
+def test_roofline_warns_when_the_weights_need_more_than_one_gpu(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_70B))
+    assert cli.main(["roofline", str(config), "--gpu", "H100"]) == 0
+    assert capsys.readouterr().err == (
+        "fp8gate: warning: the weights (131.4 GiB) do not fit one H100 SXM (80 GiB, 72.0 GiB of it at vLLM's "
+        "gpu_memory_utilization 0.9); tensor_parallel_size = 2 holds them (65.7 GiB a GPU)\n")
+    assert cli.main(["roofline", str(config), "--gpu", "H200", "--quantization", "fp8_per_channel"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_reader_that_stops_early_gets_no_broken_pipe_error(tmp_path: Path) -> None:
+    """`fp8gate roofline --json | head -1`: the reader closes the pipe before the output is written."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_LIKE))
+    code = "import sys; from pytest_fp8gate.tools import cli; sys.exit(cli.main(sys.argv[1:]))"
+    process = subprocess.Popen([sys.executable, "-c", code, "roofline", str(config), "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # before the interpreter has started, so every write finds the pipe gone
+    assert process.stderr.read() == b"" and process.wait(timeout=60) == cli.EXIT_FAILURE
 
 
 def test_compare_logprobs_refuses_an_infinite_logprob_once(tmp_path: Path, capsys) -> None:

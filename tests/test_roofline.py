@@ -361,3 +361,62 @@ def test_torch_names_the_gpus_from_a_child_process(monkeypatch):
     # The real script, in a child with the real torch: it runs and answers (no device on a CPU-only machine).
     names, how = hardware._torch_names_in_child(1)
     assert "failed" not in how and "unreadable" not in how and "no answer" not in how, how
+
+
+# --- sliding windows, the checkpoint's label, the GPUs the weights need ---------
+
+
+def _config_dir(tmp_path: Path, llama_config: Path, **changes: object) -> Path:
+    cfg = {**json.loads(llama_config.read_text()), **changes}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize(("changes", "sliding"), [
+    ({}, 32),  # Mistral: every layer
+    ({"layer_types": ["sliding_attention", "full_attention"] * 16}, 16),
+    ({"sliding_window_pattern": 4}, 24),  # Gemma 3: every 4th layer global
+    ({"model_type": "gemma2"}, 16),
+    ({"max_window_layers": 28}, 4),  # Qwen2: layers 28-31
+    ({"use_sliding_window": False}, 0),
+])
+def test_sliding_window_layers_read_their_window_only(tmp_path: Path, llama_config: Path, changes: dict,
+                                                     sliding: int):
+    path = _config_dir(tmp_path, llama_config, sliding_window=512, **changes)
+    estimate = estimate_from_path(path, context_tokens=2000, batch=4)
+    per_layer = 128 * 1024 // 32  # Llama 3.1 8B: 4 KiB a token and layer
+    assert estimate.kv_bytes_per_token == per_layer * ((32 - sliding) * 2000 + sliding * 512)
+    weights_only = estimate_from_path(path, batch=4)
+    assert estimate.bytes_per_token == weights_only.bytes_per_token + estimate.kv_bytes_per_token
+    assert estimate.bytes_per_step == weights_only.bytes_per_step + 4 * estimate.kv_bytes_per_token
+    # Within the window every layer reads the whole context.
+    short = estimate_from_path(path, context_tokens=300)
+    assert short.kv_bytes_per_token == 300 * 128 * 1024
+
+
+def test_a_prequantized_checkpoint_is_labelled_by_its_method(llama_config: Path, tmp_path: Path):
+    config = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "channel"}}}}
+    assert estimate_from_path(_config_dir(tmp_path, llama_config, quantization_config=config)).quantization == \
+        "compressed-tensors"
+    assert estimate_from_path(llama_config).quantization is None
+    assert estimate_from_path(llama_config, quantization="fp8_per_channel").quantization == "fp8_per_channel"
+
+
+def test_the_gpus_that_hold_the_weights(tmp_path: Path, llama_config: Path):
+    llama_70b = _config_dir(tmp_path, llama_config, hidden_size=8192, intermediate_size=28672,
+                            num_hidden_layers=80, num_attention_heads=64)
+    assert estimate_from_path(llama_70b, gpu="H100").tensor_parallel_to_fit == 2  # 131 GiB over 72 GiB shares
+    assert estimate_from_path(llama_70b, gpu="L40S").tensor_parallel_to_fit == 4
+    assert estimate_from_path(llama_70b, quantization="fp8_per_channel", gpu="H200").tensor_parallel_to_fit == 1
+    assert estimate_from_path(llama_70b).tensor_parallel_to_fit is None
+    assert estimate_from_path(llama_config, gpu="H100").tensor_parallel_to_fit == 1
+
+
+def test_describe_match_names_the_card_and_its_siblings():
+    assert gpu_bandwidths.describe_match("H100") == (
+        "'H100' is the H100 SXM (3,350 GB/s, 80 GiB); for the H100 PCIe (2,000 GB/s) write \"H100 PCIe\" or "
+        "the H100 NVL (3,900 GB/s) write \"H100 NVL\"")
+    assert gpu_bandwidths.describe_match("NVIDIA H100 80GB HBM3") == "'NVIDIA H100 80GB HBM3' is the H100 SXM " \
+                                                                     "(3,350 GB/s, 80 GiB)"
+    assert gpu_bandwidths.describe_match("MI300X") is None

@@ -3,6 +3,7 @@
 At batch 1 every decoded token reads each linear weight (with its scales), the
 lm_head, one embedding row, the norms and the KV cache of the earlier tokens
 once, and the arithmetic is small next to that; so the bytes read bound tok/s.
+A sliding-window attention layer reads the KV cache of its window only.
 Sizes come from safetensors headers when a model directory holds them, else
 from a Llama-style config.json alone (DeepSeek's MLA attention included).
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .. import gpu_bandwidths
@@ -29,6 +30,9 @@ from ..errors import RooflineError
 ONLINE_FP8 = frozenset({"fp8", "fp8_per_tensor", "fp8_per_channel", "fp8_per_block"})
 _BLOCK = 128  # fp8_per_block uses 128x128 weight blocks
 _SCALE_BYTES = 4  # online schemes keep float32 scales
+# vLLM's default share of a GPU's memory for weights, activations and KV cache (0.9; 0.92 since 0.33):
+# the weights on one GPU must fit inside it.
+GPU_MEMORY_UTILIZATION = 0.9
 
 _SAFETENSORS_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2,
@@ -66,7 +70,7 @@ class RooflineEstimate:
     other_params: int  # norms and everything else that is no matmul weight
     bytes_per_token: int  # read per decoded token at batch 1, KV cache included
     weight_bytes: int  # resident weights, whole embedding table included
-    kv_bytes_per_context_token: int
+    kv_bytes_per_context_token: int  # stored, over every layer
     context_tokens: int
     gpu: str | None
     bandwidth_gbps: float | None
@@ -79,10 +83,30 @@ class RooflineEstimate:
     batch: int = 1  # sequences decoded together, for bytes_per_step and the ceiling
     # Read by one decode step of ``batch`` sequences: nEff experts, each sequence's KV cache.
     bytes_per_step: int = 0
+    # Sliding-window attention: the window in tokens, and the share of kv_bytes_per_context_token held by
+    # the layers that attend over it only (0 for none).
+    sliding_window: int = 0
+    sliding_kv_bytes_per_context_token: int = 0
+    gpu_memory_gib: float | None = None  # one GPU's, where the GPU is known
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.kv_bytes_per_context_token * self.context_tokens
+        """KV-cache bytes one sequence reads per decoded token: the full-attention layers' over the
+        whole context, the sliding-window layers' over their window."""
+        sliding = self.sliding_kv_bytes_per_context_token
+        window = min(self.context_tokens, self.sliding_window)
+        return (self.kv_bytes_per_context_token - sliding) * self.context_tokens + sliding * window
+
+    @property
+    def tensor_parallel_to_fit(self) -> int | None:
+        """The fewest GPUs (a power of two, as vLLM splits attention heads evenly) whose memory share
+        (GPU_MEMORY_UTILIZATION) holds the weights; None where the GPU is unknown."""
+        if self.gpu_memory_gib is None:
+            return None
+        share, size = self.gpu_memory_gib * 2**30 * GPU_MEMORY_UTILIZATION, 1
+        while self.weight_bytes / size > share:
+            size *= 2
+        return size
 
     @property
     def active_experts(self) -> float:
@@ -107,6 +131,7 @@ class RooflineEstimate:
             "active_experts": self.active_experts,
             "weight_gib": self.weight_gib,
             "ceiling_tok_s": self.ceiling_tok_s,
+            "tensor_parallel_to_fit": self.tensor_parallel_to_fit,
         }
 
 
@@ -167,7 +192,7 @@ def estimate_from_path(
     if moe is not None and not routed:
         raise RooflineError(f"{path}: {config_path} names {moe.experts} experts but no tensor is one expert's "
                             "(named .experts.<e>.); fused expert tensors have no byte model here")
-    gpu_name, bandwidth = _bandwidth(gpu, bandwidth_gbps)
+    gpu_name, bandwidth, memory = _bandwidth(gpu, bandwidth_gbps)
 
     def total(role: str) -> int:
         return sum(_stored_bytes(t, scheme) for t in tensors if t.role == role)
@@ -183,6 +208,9 @@ def estimate_from_path(
     lm_head_bytes = total("embedding") if tied else total("lm_head")
     embedding_row_bytes = embedding.numel // embedding.shape[0] * embedding.itemsize
     kv_per_context_token = _kv_bytes_per_context_token(cfg, config_path, kv_cache_dtype)
+    layers = _require(cfg, "num_hidden_layers", config_path)
+    window, sliding_layers = sliding_window_layers(cfg, layers)
+    sliding_kv = kv_per_context_token // layers * len(sliding_layers)  # every layer caches alike
     routed_bytes = sum(_stored_bytes(t, scheme) for t in routed)
 
     def weights_read(at_batch: int) -> int:
@@ -190,14 +218,15 @@ def estimate_from_path(
         unread = 0.0 if moe is None else 1 - expected_active_experts(moe.experts, moe.per_token, at_batch) / moe.experts
         return round(total("linear") + lm_head_bytes + embedding_row_bytes + total("other") - routed_bytes * unread)
 
-    return RooflineEstimate(
+    estimate = RooflineEstimate(
         source=source,
-        quantization=quantization or None,
+        # A pre-quantized checkpoint is labelled as vLLM names it (its quant_method).
+        quantization=quantization or (cfg.get("quantization_config") or {}).get("quant_method"),
         linear_params=params("linear"),
         lm_head_params=params("embedding" if tied else "lm_head"),
         embedding_params=params("embedding"),
         other_params=params("other"),
-        bytes_per_token=weights_read(1) + kv_per_context_token * context_tokens,
+        bytes_per_token=0,  # below, once the KV reads are known
         weight_bytes=sum(_stored_bytes(t, scheme) for t in tensors),
         kv_bytes_per_context_token=kv_per_context_token,
         context_tokens=context_tokens,
@@ -208,8 +237,13 @@ def estimate_from_path(
         routed_expert_params=sum(t.numel for t in routed if t.is_weight),
         routed_expert_bytes=routed_bytes,
         batch=batch,
-        bytes_per_step=weights_read(batch) + batch * kv_per_context_token * context_tokens,
+        sliding_window=window,
+        sliding_kv_bytes_per_context_token=sliding_kv,
+        gpu_memory_gib=memory,
     )
+    kv_read = estimate.kv_bytes_per_token
+    return replace(estimate, bytes_per_token=weights_read(1) + kv_read,
+                   bytes_per_step=weights_read(batch) + batch * kv_read)
 
 
 def online_scheme(quantization: str | None) -> str | None:
@@ -391,6 +425,30 @@ def _checkpoint_fp8_scheme(cfg: dict, config_path: Path) -> str | None:
     )
 
 
+def sliding_window_layers(cfg: dict, layers: int) -> tuple[int, frozenset[int]]:
+    """(window in tokens, the decoder layers that attend over only that many recent tokens), as
+    transformers and vLLM read a config: ``layer_types`` where written, else Gemma 3's
+    ``sliding_window_pattern`` (every n-th layer global), Gemma 2's alternation (even layers local),
+    Qwen2's layers from ``max_window_layers`` on, and otherwise every layer (Mistral); (0, none) without
+    a window or with ``use_sliding_window = false``."""
+    window = cfg.get("sliding_window")
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        return 0, frozenset()
+    if cfg.get("use_sliding_window") is False:
+        return 0, frozenset()
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return window, frozenset(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    pattern = cfg.get("sliding_window_pattern")
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 1:
+        return window, frozenset(i for i in range(layers) if (i + 1) % pattern)
+    if cfg.get("model_type") == "gemma2":
+        return window, frozenset(range(0, layers, 2))
+    if isinstance(cfg.get("max_window_layers"), int):
+        return window, frozenset(range(cfg["max_window_layers"], layers))
+    return window, frozenset(range(layers))
+
+
 def kv_cache_itemsize(kv_cache_dtype: str | None) -> int | None:
     """Bytes per stored KV element for a vLLM ``kv_cache_dtype``; None: the model's own dtype."""
     if kv_cache_dtype in (None, "", "auto"):
@@ -448,16 +506,18 @@ def _tensors_from_safetensors(shards: list[Path]) -> list[_Tensor]:
     return tensors
 
 
-def _bandwidth(gpu: str | None, bandwidth_gbps: float | None) -> tuple[str | None, float | None]:
+def _bandwidth(gpu: str | None, bandwidth_gbps: float | None) -> tuple[str | None, float | None, float | None]:
+    """(the GPU's name, its bandwidth in GB/s, its memory in GiB where the table knows it)."""
     if bandwidth_gbps is not None and not (math.isfinite(bandwidth_gbps) and bandwidth_gbps >= 0):
         raise RooflineError(f"bandwidth_gbps must be >= 0 and finite, got {bandwidth_gbps}")
     entry = gpu_bandwidths.find_gpu(gpu) if gpu else None
+    memory = entry.memory_gib if entry else None
     if bandwidth_gbps:  # an explicit figure wins over the table
-        return (entry.name if entry else gpu), float(bandwidth_gbps)
+        return (entry.name if entry else gpu), float(bandwidth_gbps), memory
     if entry:
-        return entry.name, entry.bandwidth_gbps
+        return entry.name, entry.bandwidth_gbps, memory
     if gpu:
         raise RooflineError(
             f"unknown GPU {gpu!r}; give its bandwidth in GB/s or use one of: {', '.join(gpu_bandwidths.known_names())}"
         )
-    return None, None
+    return None, None, None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -234,7 +235,20 @@ def _run_roofline(args: argparse.Namespace) -> int:
     )
     payload = estimate.as_dict()
     emit(args, payload, [(key, _plain(value)) for key, value in payload.items()])
+    fit = estimate.tensor_parallel_to_fit
+    if fit is not None and fit > 1:
+        print(f"fp8gate: warning: {weights_fit(estimate)}", file=sys.stderr)
     return 0
+
+
+def weights_fit(estimate: roofline.RooflineEstimate) -> str:
+    """Why the weights need more than one GPU of the estimate's kind, and how many hold them."""
+    fit = estimate.tensor_parallel_to_fit
+    assert fit is not None and estimate.gpu_memory_gib is not None
+    share = estimate.gpu_memory_gib * roofline.GPU_MEMORY_UTILIZATION
+    return (f"the weights ({estimate.weight_gib:.1f} GiB) do not fit one {estimate.gpu} ({estimate.gpu_memory_gib:g} "
+            f"GiB, {share:.1f} GiB of it at vLLM's gpu_memory_utilization {roofline.GPU_MEMORY_UTILIZATION:g}); "
+            f"tensor_parallel_size = {fit} holds them ({estimate.weight_gib / fit:.1f} GiB a GPU)")
 
 
 def _plain(value: Any) -> str:
@@ -373,7 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        status: int = args.run(args)
+        sys.stdout.flush()  # here, so that a reader gone early (| head) is caught below, not at exit
+        return status
+    except BrokenPipeError:
+        # Python's documented remedy: point stdout at devnull, so the exit's own flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
     except Fp8GateError as err:
         message, status = str(err), EXIT_ERROR if err.usage_error else EXIT_FAILURE
     except OSError as err:
