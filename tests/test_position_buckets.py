@@ -164,9 +164,10 @@ def test_each_bucket_s_figures_are_the_comparison_of_its_rows_alone() -> None:
     assert whole.as_dict()["buckets"][1]["bucket"] == "50-150"
     for bucket in whole.buckets:
         mask = (positions >= bucket.start) & (positions < (bucket.end or 10**9))
-        alone = compare_logprobs(_rows(base, mask), _rows(cand, mask))
-        assert bucket.comparison.as_dict() == alone.as_dict()
-    assert compare_logprobs(base, cand).as_dict() == {**whole.as_dict(), "buckets": []}
+        alone = compare_logprobs(_rows(base, mask), _rows(cand, mask), positions[mask])
+        assert bucket.comparison.as_dict() == {**alone.as_dict(), "buckets": []}
+    unbucketed = compare_logprobs(base, cand, positions).as_dict()
+    assert {**unbucketed, "buckets": []} == {**whole.as_dict(), "buckets": []}
 
 
 def test_the_report_shows_every_model_s_figures_per_bucket_with_or_without_the_bucket_rule(tmp_path: Path) -> None:

@@ -27,9 +27,11 @@ __all__ = [
     "LogprobRun",
     "PositionBucket",
     "check_vocabulary",
+    "clustered_se",
     "compare_logprobs",
     "kl_per_position",
     "logprobs_on_base_ids",
+    "sequence_clusters",
 ]
 
 # Labels and percentile ranks in the order llama.cpp prints its KLD summary.
@@ -198,9 +200,12 @@ def _check_normalised(full: np.ndarray) -> None:
 class LogprobComparison:
     """Candidate vs baseline on the same tokens; fractions, not percentages.
 
-    ``same_top_se`` is the binomial sqrt(p(1-p)/N); the other ``*_se`` fields are
-    standard errors of a mean (sample SD / sqrt(N)), as llama.cpp reports them;
-    ``rms_dp_se`` carries the SE of mean(dp^2) through the square root (delta method).
+    Every ``*_se`` field is clustered by sequence (an addition: CR1 over the ``clusters`` chunks or
+    continuations, since positions of one text are not independent); the rules' allowances read these.
+    Its ``*_se_iid`` twin treats positions as independent, as llama.cpp reports it: the binomial
+    sqrt(p(1-p)/N) for ``same_top``, sample SD / sqrt(N) for the means. ``rms_dp_se`` carries the SE of
+    mean(dp^2) through the square root (delta method). With one sequence (or none given) the
+    clustered SE is the iid one.
     ``kl_kind`` is "exact" (both full distributions), "top-k lower bound" or
     "unavailable" (then the KL fields are None). ``buckets``: the same figures on the
     positions of each position bucket, where the rows' positions were given (an addition).
@@ -221,6 +226,12 @@ class LogprobComparison:
     mean_kl: float | None
     kl_se: float | None
     kl_percentiles: dict[str, float] | None
+    clusters: int = 1
+    same_top_se_iid: float = 0.0
+    mean_dp_se_iid: float = 0.0
+    rms_dp_se_iid: float = 0.0
+    ln_ppl_ratio_se_iid: float = 0.0
+    kl_se_iid: float | None = None
     # The 99th percentile of KL and its SE (an addition: the order statistics' 95% interval over 2 x 1.96).
     kl_p99: float | None = None
     kl_p99_se: float | None = None
@@ -258,6 +269,25 @@ def _mean_se(values: np.ndarray) -> tuple[float, float]:
     n = values.shape[0]
     se = float(values.std(ddof=1)) / math.sqrt(n) if n > 1 else 0.0
     return float(values.mean()), se
+
+
+def clustered_se(values: np.ndarray, clusters: np.ndarray, iid_se: float) -> float:
+    """The CR1 cluster-robust SE of ``values``' mean (an addition): with G clusters of residual sums
+    S_g, sqrt(G / (G - 1) * sum S_g^2) / N. Positions of one sequence share its text and drift
+    together, so their spread understates the mean's. ``clusters``: each row's cluster index
+    (0..G-1, any order). One cluster gives nothing to measure between them: ``iid_se``."""
+    count = int(clusters.max()) + 1 if clusters.size else 0
+    if count < 2:
+        return iid_se
+    residual_sums = np.bincount(clusters, weights=values - values.mean(), minlength=count)
+    return math.sqrt(count / (count - 1) * float(np.dot(residual_sums, residual_sums))) / values.shape[0]
+
+
+def sequence_clusters(positions: np.ndarray) -> np.ndarray:
+    """Each row's sequence index, from the rows' positions in their sequences: a sequence's rows rise
+    in position, so a new one starts wherever the position does not."""
+    starts = np.concatenate(([False], np.diff(positions) <= 0))
+    return np.cumsum(starts)
 
 
 def _p99_se(values: np.ndarray) -> float:
@@ -300,46 +330,68 @@ def compare_logprobs(base: LogprobRun, cand: LogprobRun, positions: np.ndarray |
             )
     same = base.top_ids[:, 0] == cand.top_ids[:, 0]
     dp = np.exp(cand.real_logprob) - np.exp(base.real_logprob)
-    ln_ratio = base.real_logprob - cand.real_logprob
+    with np.errstate(invalid="ignore"):  # -inf - -inf: both gave the real token probability 0, no difference
+        ln_ratio = np.where(base.real_logprob == cand.real_logprob, 0.0, base.real_logprob - cand.real_logprob)
     kl_kind, kl = kl_per_position(base, cand)
-    whole = _summarise(same, dp, ln_ratio, kl_kind, kl)
     if positions is None:
-        return replace(whole, kl_values=kl)
+        return replace(_summarise(same, dp, ln_ratio, kl_kind, kl), kl_values=kl)
     if positions.shape != (n,):
         raise ComparisonError(f"{positions.shape[0]} row positions for {n} scored rows")
+    clusters = sequence_clusters(positions)
+    whole = _summarise(same, dp, ln_ratio, kl_kind, kl, clusters)
     buckets = tuple(PositionBucket(label, start, end, _summarise(same[mask], dp[mask], ln_ratio[mask], kl_kind,
-                                                                None if kl is None else kl[mask]))
+                                                                None if kl is None else kl[mask],
+                                                                _renumbered(clusters[mask])))
                     for label, start, end, mask in buckets_of(positions, edges))
     return replace(whole, kl_values=kl, buckets=buckets)
 
 
+def _renumbered(clusters: np.ndarray) -> np.ndarray:
+    """Cluster indices 0..G-1 for the clusters a subset of rows still holds."""
+    return np.unique(clusters, return_inverse=True)[1].reshape(-1)
+
+
 def _summarise(same: np.ndarray, dp: np.ndarray, ln_ratio: np.ndarray, kl_kind: str,
-               kl: np.ndarray | None) -> LogprobComparison:
-    """The figures of one set of rows from their per-position values."""
+               kl: np.ndarray | None, clusters: np.ndarray | None = None) -> LogprobComparison:
+    """The figures of one set of rows from their per-position values; ``clusters``: each row's sequence
+    (None: one sequence)."""
     n = same.shape[0]
+    if clusters is None:
+        clusters = np.zeros(n, dtype=np.int64)
     same_top = float(np.mean(same))
-    mean_dp, mean_dp_se = _mean_se(dp)
-    mean_square_dp, mean_square_dp_se = _mean_se(dp * dp)
+    mean_dp, mean_dp_se_iid = _mean_se(dp)
+    mean_square_dp, mean_square_dp_se_iid = _mean_se(dp * dp)
     rms_dp = math.sqrt(mean_square_dp)
-    ln_ppl_ratio, ln_ppl_ratio_se = _mean_se(ln_ratio)
-    mean_kl, kl_se = _mean_se(kl) if kl is not None else (None, None)
+    ln_ppl_ratio, ln_ppl_ratio_se_iid = _mean_se(ln_ratio)
+    mean_kl, kl_se_iid = _mean_se(kl) if kl is not None else (None, None)
     kl_percentiles = _percentiles(kl) if kl is not None else None
+
+    def rms_se(mean_square_se: float) -> float:
+        return mean_square_se / (2 * rms_dp) if rms_dp > 0 else 0.0
+
+    same_top_se_iid = binomial_se(same_top, n)
     return LogprobComparison(
         positions=n,
         same_top=same_top,
-        same_top_se=binomial_se(same_top, n),
+        same_top_se=clustered_se(same.astype(np.float64), clusters, same_top_se_iid),
         mean_dp=mean_dp,
-        mean_dp_se=mean_dp_se,
+        mean_dp_se=clustered_se(dp, clusters, mean_dp_se_iid),
         rms_dp=rms_dp,
-        rms_dp_se=mean_square_dp_se / (2 * rms_dp) if rms_dp > 0 else 0.0,
+        rms_dp_se=rms_se(clustered_se(dp * dp, clusters, mean_square_dp_se_iid)),
         dp_percentiles=_percentiles(dp),
         ppl_ratio=math.exp(ln_ppl_ratio) if ln_ppl_ratio < _MAX_EXP else math.inf,
         ln_ppl_ratio=ln_ppl_ratio,
-        ln_ppl_ratio_se=ln_ppl_ratio_se,
+        ln_ppl_ratio_se=clustered_se(ln_ratio, clusters, ln_ppl_ratio_se_iid),
         kl_kind=kl_kind,
         mean_kl=mean_kl,
-        kl_se=kl_se,
+        kl_se=None if kl is None or kl_se_iid is None else clustered_se(kl, clusters, kl_se_iid),
         kl_percentiles=kl_percentiles,
+        clusters=int(clusters.max()) + 1 if n else 0,
+        same_top_se_iid=same_top_se_iid,
+        mean_dp_se_iid=mean_dp_se_iid,
+        rms_dp_se_iid=rms_se(mean_square_dp_se_iid),
+        ln_ppl_ratio_se_iid=ln_ppl_ratio_se_iid,
+        kl_se_iid=kl_se_iid,
         kl_p99=None if kl_percentiles is None else kl_percentiles["99%"],
         kl_p99_se=None if kl is None else _p99_se(kl),
     )
