@@ -92,6 +92,9 @@ logprobs_mode = "processed_logprobs"
     ('VLLM_ENABLE_V1_MULTIPROCESSING = "0"', "baseline.env.VLLM_ENABLE_V1_MULTIPROCESSING: refused: set by the gate "
                                              "from deterministic_scheduling"),
     ("env = 3", "baseline.env: expected a table, got 3"),
+    ('VLLM_ATTENTION_BACKEND = "FLASHINFER"', "baseline.env.VLLM_ATTENTION_BACKEND: the installed vLLM no longer "
+                                              "reads it; its setting is now the engine key attention_backend: set "
+                                              'attention_backend = "FLASHINFER" in the engine table'),
 ])
 def test_env_tables_are_checked(tmp_path, table, message):
     if table.startswith("env"):
@@ -99,6 +102,11 @@ def test_env_tables_are_checked(tmp_path, table, message):
     else:
         text = MODELS + "[baseline.env]\n" + table + "\n"
     assert error_of(tmp_path, text).startswith(message)
+
+
+def test_the_removed_attention_variable_is_now_an_engine_key(tmp_path):
+    gate = load(tmp_path, MODELS + '[baseline.engine]\nattention_backend = "FLASHINFER"\n')
+    assert gate.baseline.engine["attention_backend"] == "FLASHINFER"
 
 
 def test_a_candidates_env_is_its_own(tmp_path):

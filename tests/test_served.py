@@ -94,6 +94,9 @@ def test_an_endpoint_names_url_model_and_key_variable(tmp_path: Path):
     (f'serve = "{SERVE} --api-key secret"', "baseline.serve: --api-key is set by the gate"),
     (f'serve = "{SERVE} --host 0.0.0.0"', "baseline.serve: --host is set by the gate"),
     ('serve = "python -m vllm serve x"', 'baseline.serve: expected "vllm serve MODEL [flags...]"'),
+    ('serve = "python -m sglang.launch_server --model-path x"', "baseline.serve: expected \"vllm serve MODEL "
+     "[flags...]\", got 'python -m sglang.launch_server --model-path x'; the gate starts only vLLM's own server: "
+     "start another engine's server yourself and name it by endpoint (with served_model_name)"),
     (f'serve = "{SERVE} --quantization fp9"', "baseline.serve: --quantization: unknown vLLM quantization method"),
     (f'serve = "{SERVE}"\nmodel = "{MODEL}"', "baseline.model: with serve, the command names the model"),
     (f'serve = "{SERVE}"\n[baseline.engine]\ndtype = "bfloat16"', "baseline.engine: engine keys are vllm.LLM's"),

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,8 @@ model = "models/not-here"     # does not exist and does not look local: a hub id
 
 [probabilities]
 corpus = "corpus.txt"
+chunks = 1
+chunk_tokens = 8
 [probabilities.limits]
 max_mean_kl = 0.01
 
@@ -235,11 +238,19 @@ BAD_INPUTS = {
     ),
     "fraction out of range": (
         MINIMAL + "[baseline.engine]\ngpu_memory_utilization = 1.5\n",
-        "baseline.engine.gpu_memory_utilization: expected a number in (0, 1], got 1.5",
+        "baseline.engine.gpu_memory_utilization: expected a number in (0, 1], got 1.5; a fraction, not a percent: "
+        "did you mean 0.015?",
     ),
     "percentage instead of fraction": (
         MODELS + "[probabilities.limits]\nmin_same_top = 97.674\n",
-        "probabilities.limits.min_same_top: expected a number in (0, 1], got 97.674",
+        "probabilities.limits.min_same_top: expected a number in (0, 1], got 97.674; a fraction, not a percent: "
+        "did you mean 0.97674?",
+    ),
+    "plain fp8 on the baseline's weights": (
+        thresholds_text("[speed]", candidate='quantization = "fp8"'),
+        'candidates[0].quantization: plain "fp8" is deprecated for online quantization since vLLM 0.31, which runs '
+        'it as fp8_per_tensor; write "fp8_per_tensor" (one weight scale per matrix, as the roofline counts it) or '
+        '"fp8_per_channel" (one per output row)',
     ),
     "ratio below one": (
         MODELS + "[[tasks]]\ntask = \"t\"\nmetric = \"acc\"\n[tasks.limits]\nflips_ratio = 0.5\n",
@@ -446,3 +457,50 @@ def test_floor_ratio_is_one_factor_or_one_per_rule(tmp_path: Path) -> None:
                     encoding="utf-8")
     limits = load_config(path).probabilities.limits
     assert limits.floor_ratio_for("mean_kl") == limits.floor_ratio_for("same_top") == 3
+
+
+@pytest.fixture
+def checkpoint_with(make_checkpoint):
+    """A minimal local checkpoint whose config.json holds these keys."""
+    def write(directory: Path, **config: object) -> Path:
+        make_checkpoint(directory)
+        (directory / "config.json").write_text(json.dumps({"vocab_size": 32, **config}))
+        return directory
+
+    return write
+
+
+def test_plain_fp8_stays_valid_on_an_fp8_checkpoint(write, tmp_path: Path, checkpoint_with):
+    fp8 = checkpoint_with(tmp_path / "fp8", quantization_config={"quant_method": "fp8"})
+    bf16 = checkpoint_with(tmp_path / "bf16")
+    gate = load_config(write(thresholds_text("[speed]", candidate=f'model = "{fp8}"\nquantization = "fp8"')))
+    assert gate.candidates[0].quantization == "fp8"
+    message = error_of(write(thresholds_text("[speed]", candidate=f'model = "{bf16}"\nquantization = "fp8"')))
+    assert message.startswith('thresholds.toml: candidates[0].quantization: plain "fp8" is deprecated')
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_float16_is_refused_where_vllm_refuses_it(write, tmp_path: Path, checkpoint_with, model_type: str):
+    model = checkpoint_with(tmp_path / "gemma", model_type=model_type)
+    reason = f"which vLLM refuses for model type {model_type!r} (Numerical instability. Please use bfloat16 or " \
+             "float32 instead.)"
+    fp16_pass = thresholds_text("[noise]\npasses = [\"fp16\"]", "[speed]", model=str(model))
+    assert error_of(write(fp16_pass)) == f'thresholds.toml: noise.passes: "fp16" restarts the baseline in ' \
+                                          f'float16, {reason}; use "fp32" or "batch-order"'
+    engine = thresholds_text("[speed]", model=str(model), baseline_engine='dtype = "half"')
+    assert error_of(write(engine)) == f"thresholds.toml: baseline.engine.dtype: float16, {reason}"
+    llama = checkpoint_with(tmp_path / "llama", model_type="llama")
+    assert load_config(write(thresholds_text("[noise]\npasses = [\"fp16\"]", "[speed]", model=str(llama))))
+
+
+def test_a_corpus_too_short_for_the_chunks_is_refused_before_any_engine(write, tmp_path: Path):
+    (tmp_path / "c.txt").write_text("x" * 10_000)
+    limits = "[probabilities.limits]\nmax_mean_kl = 0.1"
+    gate = load_config(write(thresholds_text(
+        '[probabilities]\ncorpus = "c.txt"\nchunks = 9\nchunk_tokens = 1024', limits)))
+    assert gate.probabilities is not None and gate.probabilities.chunks == 9
+    assert error_of(write(thresholds_text('[probabilities]\ncorpus = "c.txt"\nchunks = 50\nchunk_tokens = 1024',
+                                          limits))) == (
+        f"thresholds.toml: probabilities.chunks: 50 chunks of 1024 tokens asked, but the corpus {tmp_path / 'c.txt'} "
+        "has 10,000 bytes, room for at most 9 (a token covers at least one byte); lower probabilities.chunks to 9, "
+        "or give a longer corpus")

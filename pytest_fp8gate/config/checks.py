@@ -19,7 +19,8 @@ from .. import checkpoint
 from ..core import roofline, spec_decode
 from ..core.rules import RULES
 from ..errors import ConfigError, RooflineError
-from .spec import BATCH_ORDER_PASS, NOISE_PASSES, PRECISION_PASSES, GateConfig, ModelSpec
+from .spec import BATCH_ORDER_PASS, FP16_PASS, NOISE_PASSES, PRECISION_PASSES, GateConfig, ModelSpec
+from .vllm_names import FLOAT16_REFUSED
 
 Check = Callable[[Any], Any]
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
@@ -84,7 +85,10 @@ def number(low: float | None = None, high: float | None = None, *, low_open: boo
             raise ValueError(f"expected {expected}, got {show(value)}")
         too_low = low is not None and (value <= low if low_open else value < low)
         if too_low or (high is not None and value > high):
-            raise ValueError(f"expected {expected}, got {value!r}")
+            # A share written as a percent (97 for 0.97).
+            hint = f"; a fraction, not a percent: did you mean {value / 100:g}?" if high == 1 and 1 < value <= 100 \
+                else ""
+            raise ValueError(f"expected {expected}, got {value!r}{hint}")
         return float(value)
 
     return check
@@ -257,6 +261,7 @@ def across_tables(config: GateConfig, model_configs: Mapping[str, dict[str, Any]
     _decode_prompts(config, error)
     _context_fits(config, error)
     _external_noise(config, error)  # issue 20
+    _float16_refused(config, model_configs, error)
     _top_k_fits(config, model_configs, error)
     _speed_models(config, error)
     _load_served(config, error)
@@ -333,6 +338,24 @@ def _external_noise(config: GateConfig, error: ConfigErrorAt) -> None:
         dtype = PRECISION_PASSES[restarts[0]]
         raise error("noise.passes", f'"{restarts[0]}" restarts the baseline in {dtype}, which an external '
                                     'endpoint cannot do; use ["batch-order"] or a serve command')
+
+
+def _float16_refused(config: GateConfig, model_configs: Mapping[str, dict[str, Any]], error: ConfigErrorAt) -> None:
+    """vLLM refuses float16 for some architectures at engine start; a local checkpoint's model_type says so
+    now: a float16 dtype, or the fp16 noise pass, which restarts the baseline in float16."""
+    for where, spec in _models(config).items():
+        local = model_configs.get(spec.model, {})
+        kind = next((kind for kind in (local.get("model_type"), checkpoint.text_config(local).get("model_type"))
+                     if kind in FLOAT16_REFUSED), None)
+        if kind is None:
+            continue
+        refusal = f"which vLLM refuses for model type {kind!r} ({FLOAT16_REFUSED[kind]})"
+        if spec.engine.get("dtype") in ("float16", "half"):
+            key = f"{where}.serve: --dtype" if spec.served is not None else f"{where}.engine.dtype"
+            raise error(key, f"float16, {refusal}")
+        if where == "baseline" and FP16_PASS in config.noise.passes:
+            raise error("noise.passes", f'"{FP16_PASS}" restarts the baseline in float16, {refusal}; use "fp32" '
+                                        'or "batch-order"')
 
 
 def _speed_models(config: GateConfig, error: ConfigErrorAt) -> None:

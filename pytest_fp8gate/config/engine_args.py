@@ -29,6 +29,11 @@ REMOVED_OR_IGNORED: Mapping[str, str] = {
     "cpu_offload_gb": "has no effect on the V2 model runner, vLLM's default for dense models, which selects "
                       "NoopOffloader (vllm#51396, vllm#56283); the report would quote an offload that never ran",
 }
+# vLLM environment variables that releases the gate supports no longer read -> the engine key (and the
+# `vllm serve` flag) that took their place.
+REPLACED_ENV: Mapping[str, tuple[str, str]] = {
+    "VLLM_ATTENTION_BACKEND": ("attention_backend", "--attention-backend"),
+}
 # Settings the gate makes itself: a user value would change what the gate measures.
 GATE_OWNED: Mapping[str, str] = {
     "model": "set by the model table's `model` key",

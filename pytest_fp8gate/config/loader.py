@@ -188,6 +188,7 @@ class _Parser:
         if baseline is not None and spec == replace(baseline, name=name):
             raise self.error(table.where, "same model, quantization and engine as the baseline; it would gate nothing")
         self.check_local_model(table.key("model"), model, baseline)
+        self.check_online_fp8(table.key("quantization"), quantization, model, baseline)
         return spec
 
     # --- served models (issue 20) ---------------------------------------------
@@ -217,6 +218,7 @@ class _Parser:
                 hint = checks.suggest_key(quantization, QUANTIZATION_METHODS)
                 raise self.error(table.key("serve"), f"--quantization: unknown vLLM quantization method "
                                                      f"{quantization!r}; {hint}")
+            online_fp8_at = table.key("serve") + ": --quantization"
             served = ServedSpec(
                 served_model_name=checks.flag_value(argv, "--served-model-name", str) or model,
                 command=tuple(argv),
@@ -238,6 +240,7 @@ class _Parser:
             # The local tokenizer (and config.json) of what the endpoint serves.
             model = self.model_ref(table.key("model"), table.get("model", checks.text(), served_name))
             quantization = table.get("quantization", schema.QUANTIZATION, "") or None
+            online_fp8_at = table.key("quantization")
             engine = {}
             served = ServedSpec(served_model_name=served_name, endpoint=endpoint.rstrip("/"), api_key_env=key_env,
                                 request_deadline_s=deadline, max_in_flight=in_flight)
@@ -247,6 +250,7 @@ class _Parser:
         if baseline is not None and (baseline.served, dict(baseline.env)) == (served, env):
             raise self.error(table.where, "the same server as the baseline; it would gate nothing")
         self.check_local_model(table.key("serve" if served.managed else "model"), model, baseline)
+        self.check_online_fp8(online_fp8_at, quantization, model, baseline)
         return spec
 
     def serve_command(self, where: str, command: str) -> tuple[list[str], str]:
@@ -256,7 +260,10 @@ class _Parser:
         except ValueError as err:
             raise self.error(where, f"not a shell command line: {err}") from None
         if words[:2] != ["vllm", "serve"] or len(words) < 3 or words[2].startswith("-"):
-            raise self.error(where, f'expected "vllm serve MODEL [flags...]", got {command!r}')
+            other = "" if any("vllm" in word for word in words[:3]) else (
+                "; the gate starts only vLLM's own server: start another engine's server yourself and name it by "
+                "endpoint (with served_model_name)")
+            raise self.error(where, f'expected "vllm serve MODEL [flags...]", got {command!r}{other}')
         conflict = flag_conflict(words[3:])
         if conflict:
             raise self.error(where, conflict)
@@ -278,6 +285,21 @@ class _Parser:
         if mine is not None and base is not None and mine != base:
             raise self.error(where, f"vocabulary of {mine} tokens (config.json vocab_size) differs from the "
                                     f"baseline's {base}; the gate compares the two token by token")
+
+    def check_online_fp8(self, where: str, quantization: str | None, model: str, baseline: ModelSpec | None) -> None:
+        """Plain "fp8" on weights known to be unquantized (the baseline's, or a local checkpoint without a
+        quantization_config) is vLLM's deprecated online form: vLLM 0.31+ warns and runs fp8_per_tensor, and
+        its Fp8Config refuses it outright where built for online use. On an FP8 checkpoint it stays valid."""
+        if quantization != "fp8":
+            return
+        local = self.model_configs.get(model)
+        unquantized = (baseline is not None and model == baseline.model) or (
+            local is not None and not checkpoint.text_config(local).get("quantization_config")
+            and not local.get("quantization_config"))
+        if unquantized:
+            raise self.error(where, 'plain "fp8" is deprecated for online quantization since vLLM 0.31, which runs '
+                                    'it as fp8_per_tensor; write "fp8_per_tensor" (one weight scale per matrix, '
+                                    'as the roofline counts it) or "fp8_per_channel" (one per output row)')
 
     def engine(self, where: str, raw: Any) -> dict[str, Any]:
         """An engine table, every key an EngineArgs field of the installed vLLM."""
@@ -321,6 +343,12 @@ class _Parser:
                                                   f"got {checks.show(value)}")
         for name in (name for name in table.raw if name.startswith("VLLM_")):
             known = self.vllm_names(table.key(name), engine_args.vllm_env_names, "the name against vllm.envs")
+            if name not in known and name in engine_args.REPLACED_ENV:
+                key, flag = engine_args.REPLACED_ENV[name]
+                instead = f"give {flag} {table.raw[name]} in the serve command" if served else \
+                    f'set {key} = "{table.raw[name]}" in the engine table'
+                raise self.error(table.key(name), f"the installed vLLM no longer reads it; its setting is now the "
+                                                  f"engine key {key}: {instead}")
             if name not in known:
                 raise self.error(table.key(name), "unknown vLLM environment variable; " + checks.known(
                     name, known, "not one of the installed vLLM's vllm.envs"))
@@ -385,11 +413,27 @@ class _Parser:
         values = table.values(ProbabilitySpec, schema.PROBABILITY_CHECKS)
         if values.get("chunk_tokens") == checks.MAX_MODEL_LEN:
             values["chunk_tokens"] = self.longest_chunk(table.key("chunk_tokens"), models)
-        return ProbabilitySpec(
+        spec = ProbabilitySpec(
             corpus=self.corpus(table.key("corpus"), table.raw.get("corpus", "wikitext-2")),
             limits=ProbabilityLimits(**limits.values(ProbabilityLimits, schema.PROBABILITY_LIMIT_CHECKS)),
             **values,
         )
+        if isinstance(spec.corpus, FileCorpus):
+            self.corpus_holds_the_chunks(table.key("chunks"), spec.corpus.path, spec.chunks, spec.chunk_tokens)
+        return spec
+
+    def corpus_holds_the_chunks(self, where: str, path: Path, chunks: int, chunk_tokens: int) -> None:
+        """A text file of fewer bytes than the chunks' tokens cannot fill them with any tokenizer the gate meets
+        (a byte-level or byte-fallback token covers at least one byte), so this is known before any engine;
+        the exact count needs the model's tokenizer (run/corpus.py)."""
+        size = path.stat().st_size
+        most = size // (chunk_tokens - 1)  # a chunk's text is all but its BOS
+        if most < chunks:
+            fix = f"probabilities.chunks to {most}" if most else "probabilities.chunk_tokens"
+            raise self.error(where, f"{chunks} chunks of {chunk_tokens} tokens asked, but the corpus {path} has "
+                                    f"{size:,} bytes, room for at most {most} (a token covers at least one byte); "
+                                    f"lower {fix}, or give a longer corpus")
+
 
     def longest_chunk(self, where: str, models: Sequence[ModelSpec]) -> int:
         """chunk_tokens = "max_model_len": the least context of the models (engine.max_model_len where set, else

@@ -1,9 +1,10 @@
-"""Names vLLM accepts for ``quantization`` and ``kv_cache_dtype``, checked before any engine starts.
+"""Names vLLM accepts for ``quantization`` and ``kv_cache_dtype``, and the model types it refuses to run in
+float16, checked before any engine starts.
 
 Copied from vLLM (``QuantizationMethods`` in
-``vllm/model_executor/layers/quantization/__init__.py`` and ``CacheDType`` in
-``vllm/config/cache.py``) because importing vLLM takes seconds and pulls in
-torch at every pytest start; tests/test_vllm_names.py fails when the installed
+``vllm/model_executor/layers/quantization/__init__.py``, ``CacheDType`` in
+``vllm/config/cache.py`` and ``_FLOAT16_NOT_SUPPORTED_MODELS`` in ``vllm/config/model.py``) because
+importing vLLM takes seconds and pulls in torch at every pytest start; tests/test_vllm_names.py fails when the installed
 vLLM's lists differ, so a vLLM upgrade updates them here.
 """
 
@@ -22,3 +23,11 @@ KV_CACHE_DTYPES: tuple[str, ...] = (
     "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "ultraquant_4bit",
     "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6",
 )  # fmt: skip
+
+# config.json model_type -> vLLM's reason for refusing dtype float16 (its ValueError at engine start).
+FLOAT16_REFUSED: dict[str, str] = {
+    "gemma2": "Numerical instability. Please use bfloat16 or float32 instead.",
+    "gemma3": "Numerical instability. Please use bfloat16 or float32 instead.",
+    "gemma3_text": "Numerical instability. Please use bfloat16 or float32 instead.",
+    "glm4": "Numerical instability. Please use bfloat16 or float32 instead.",
+}

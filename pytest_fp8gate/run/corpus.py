@@ -33,19 +33,22 @@ def chunk_corpus(engine: "Engine", spec: ProbabilitySpec, config_path: Path) -> 
     """``spec.chunks`` chunks of ``spec.chunk_tokens`` tokens, each starting with BOS.
 
     Every chunk is scored on its own, so each gets the BOS a fresh prompt has.
-    Fewer chunks are used when the text is shorter; none at all is an error.
+    A text too short for all of them is an error: a run of fewer chunks would judge on less evidence
+    than the thresholds file asks for, without a word.
     """
     bos = engine.tokenizer.bos_token_id
     prefix = [] if bos is None else [bos]
     body = spec.chunk_tokens - len(prefix)
     ids = leading_tokens(engine, load_text(spec.corpus), spec.chunks * body)
-    count = min(spec.chunks, len(ids) // body)
-    if count == 0:
+    count = len(ids) // body
+    if count < spec.chunks:
+        fix = f"probabilities.chunks to {count}" if count else "probabilities.chunk_tokens"
         raise CorpusError(
-            f"{config_path}: probabilities.corpus: {len(ids)} tokens, fewer than one chunk of "
-            f"{spec.chunk_tokens} (probabilities.chunk_tokens)"
+            f"{config_path}: probabilities.chunks: {spec.chunks} chunks of {spec.chunk_tokens} tokens asked, but "
+            f"the corpus holds {len(ids):,} tokens with this model's tokenizer, {count} chunks; lower {fix}, "
+            "or give a longer corpus"
         )
-    return [prefix + ids[i * body:(i + 1) * body] for i in range(count)]
+    return [prefix + ids[i * body:(i + 1) * body] for i in range(spec.chunks)]
 
 
 def leading_tokens(engine: "Engine", text: str, needed: int) -> list[int]:
