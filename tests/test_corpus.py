@@ -4,6 +4,7 @@ that tokenizing the whole text gives."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import pytest
 from pytest_fp8gate.checkpoint import UNKNOWN_VOCAB, vocab_size, vocab_size_hint
 from pytest_fp8gate.config.spec import FileCorpus, ProbabilitySpec
 from pytest_fp8gate.engines.base import Engine
+from pytest_fp8gate.errors import CorpusError
 from pytest_fp8gate.run import corpus
 
 ASSETS = Path(corpus.__file__).parents[1] / "assets"
@@ -55,3 +57,17 @@ def test_the_vocabulary_hint_reads_a_multimodal_config_as_the_roofline_does(tmp_
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert vocab_size_hint(str(tmp_path)) == vocab_size(config) == 262_144
     assert vocab_size_hint(str(tmp_path / "absent")) == UNKNOWN_VOCAB
+
+
+def test_more_chunks_than_the_text_holds_is_an_error_naming_both_counts(engine: SimpleNamespace, tmp_path: Path):
+    path = ASSETS / "corpus.txt"
+    tokens = len(engine.encode(path.read_text(encoding="utf-8"), add_bos=False))
+    held = tokens // 1023
+    spec = ProbabilitySpec(corpus=FileCorpus(path), chunks=held + 1, chunk_tokens=1024)
+    with pytest.raises(CorpusError) as error:
+        corpus.chunk_corpus(engine, spec, tmp_path / "thresholds.toml")
+    assert str(error.value) == (
+        f"{tmp_path / 'thresholds.toml'}: probabilities.chunks: {held + 1} chunks of 1024 tokens asked, but the "
+        f"corpus holds {tokens:,} tokens with this model's tokenizer, {held} chunks; lower probabilities.chunks "
+        f"to {held}, or give a longer corpus")
+    assert len(corpus.chunk_corpus(engine, replace(spec, chunks=held), tmp_path / "thresholds.toml")) == held
