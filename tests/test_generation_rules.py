@@ -167,18 +167,18 @@ def test_candidate_passes_take_only_the_batch_order_pass(tmp_path: Path) -> None
 
 # rule -> the rows of its table, the limit it names, and whether fp8gate compare-logprobs recomputes it
 EXPLAINED = {
-    "decode_same_top": (["reference", "noise floor", "candidate", "candidate SE (fails beyond 1 SE)", "threshold",
+    "decode_same_top": (["reference", "noise floor", "candidate", "noise floor SE (fails beyond 1 SE)", "threshold",
                          "margin"], "decode.limits.min_same_top = 0.97674", True),
-    "decode_rms_dp": (["reference", "noise floor", "candidate", "candidate SE (fails beyond 1 SE)", "threshold",
+    "decode_rms_dp": (["reference", "noise floor", "candidate", "noise floor SE (fails beyond 1 SE)", "threshold",
                        "margin"], "decode.limits.max_rms_dp = 0.01198", True),
-    "decode_mean_kl": (["reference", "noise floor", "candidate", "candidate SE (fails beyond 1 SE)", "threshold",
+    "decode_mean_kl": (["reference", "noise floor", "candidate", "noise floor SE (fails beyond 1 SE)", "threshold",
                         "margin"], "decode.limits.max_mean_kl = 0.001355", True),
-    rules.DECODE_GAP: (["reference", "noise floor", "3 x noise floor", "candidate", "candidate SE (fails beyond 1 SE)",
+    rules.DECODE_GAP: (["reference", "noise floor", "3 x noise floor", "candidate", "noise floor SE (fails beyond 1 SE)",
                         "threshold", "margin"], "decode.limits.max_gap_kl = 0.001355", True),
     rules.LENGTH_DRIFT: (["reference", "noise floor", "2 x noise floor", "candidate", "threshold", "margin"],
                          "tasks[0].limits.max_length_drift = 0.1", False),
     rules.INVALID_RATE: (["questions", "baseline invalid rate", "noise floor invalid rate", "allowed rise",
-                          "candidate invalid rate", "candidate SE (fails beyond 1 SE)", "threshold", "margin"],
+                          "candidate invalid rate", "no-change SE (fails beyond 1 SE)", "threshold", "margin"],
                          "tasks[0].limits.max_invalid_increase = 0.02", False),
 }
 FAILING = {"decode_same_top": "bad", "decode_rms_dp": "bad", "decode_mean_kl": "bad", rules.DECODE_GAP: "kv",

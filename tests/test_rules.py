@@ -170,7 +170,7 @@ def test_a_limit_missed_within_k_standard_errors_passes_and_beyond_fails():
     # The demo's fp8_per_channel: PPL ratio 1.000718 with SE 0.000341 of its log against Q8_0's 1.000425.
     within = ratio_at_most("ppl_ratio", 1.000718, 1.000425, measured_se=0.000341, k_se=1.0)
     assert within.passed and within.margin == pytest.approx(1.000425 * math.exp(0.000341) - 1.000718)
-    assert ("SE of ln candidate (fails beyond 1 SE)", 0.000341) in within.rows
+    assert ("SE of ln noise floor (fails beyond 1 SE)", 0.000341) in within.rows
     assert (within.measured, within.limit) == (1.000718, 1.000425)  # shown as ratios
     assert not ratio_at_most("ppl_ratio", 1.000718, 1.000425, measured_se=0.000341, k_se=0.0).passed
     assert not ratio_at_most("ppl_ratio", 1.0028, 1.000425, measured_se=0.0004, k_se=1.0).passed

@@ -65,11 +65,11 @@ def test_longer_answers_under_a_tight_budget_fail_and_the_baseline_s_length_pass
 
 
 def test_the_rule_weighs_both_counts_uncertainty() -> None:
-    # Baseline 4 of 100 cut, candidate 9: rates 0.04 and 0.09, limit 0.04 + 0.02 = 0.06; SE of the two
-    # sqrt(0.04 x 0.96 / 100 + 0.09 x 0.91 / 100) = 0.0347: 0.03 over the limit is within one SE.
-    outcome = rules.truncation_within(0.04, 0.09, None, 100, 0.02, 1.0)
-    assert outcome.passed and outcome.margin == pytest.approx(0.06 - 0.09 + 0.0347, abs=1e-4)
-    assert not rules.truncation_within(0.04, 0.12, None, 100, 0.02, 1.0).passed
+    # Baseline 4 of 100 cut, candidate 8: rates 0.04 and 0.08, limit 0.04 + 0.02 = 0.06; the SE of two runs
+    # with no change, sqrt(2 x 0.04 x 0.96 / 100) = 0.0277 (not the candidate's own): 0.02 over is within it.
+    outcome = rules.truncation_within(0.04, 0.08, None, 100, 0.02, 1.0)
+    assert outcome.passed and outcome.margin == pytest.approx(0.06 - 0.08 + 0.0277, abs=1e-4)
+    assert not rules.truncation_within(0.04, 0.09, None, 100, 0.02, 1.0).passed
     # A noise pass that itself cuts more widens the allowance, and says so.
     widened = rules.truncation_within(0.04, 0.12, 0.10, 100, 0.02, 1.0)
     assert widened.passed and widened.bound_by == "noise floor"

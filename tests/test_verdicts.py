@@ -26,7 +26,7 @@ from pytest_fp8gate.run.measure import Measurements
 RULE_TESTS = sorted(name for name in vars(suite) if name.startswith("test_")
                     and BY_TEST[name].kind not in ("load", "bucket", "speculative")
                     and BY_TEST[name].name not in GENERATION_RULES | {RECOVERY, TRUNCATION, "kl_p99"})
-PROBABILITY_ROWS = ["reference", "noise floor", "candidate", "candidate SE (fails beyond 1 SE)", "threshold", "margin"]
+PROBABILITY_ROWS = ["reference", "noise floor", "candidate", "noise floor SE (fails beyond 1 SE)", "threshold", "margin"]
 # suite test -> the rows of its table, how its notes start, the limit it names and the command that recomputes it
 EXPLAINED = {
     "test_accuracy_within_se": (
@@ -34,8 +34,15 @@ EXPLAINED = {
         ["SE = sqrt(p(1-p)/n) with p the baseline accuracy; k = 1, one-sided (a drop fails)",
          "McNemar exact p on the flips: ", "noise pass batch-order: accuracy ", "noise pass fp16: accuracy "],
         "tasks[0].limits.accuracy_se = 1", "fp8gate flips "),
+    "test_paired_accuracy": (
+        ["questions", "right to wrong", "wrong to right", "accuracy drop", "paired SE, sqrt(D)/n",
+         "p, one-sided exact McNemar", "test level alpha", "practical margin", "drop caught with 80% power (addition)",
+         "threshold", "margin"],
+        ["an addition beside the article's accuracy rule: fails when the drop ", "resolution at 40 questions and ",
+         "noise pass batch-order: ", "noise pass fp16: "], "tasks[0].limits.accuracy_margin = 0.01", "fp8gate flips "),
     "test_flips_within_noise_floor": (
-        ["questions", "noise floor flips", "2 x noise floor", "minimum allowance", "candidate flips",
+        ["questions", "noise floor flips", "noise passes summed (addition)", "2 x noise floor", "minimum allowance",
+         "candidate flips",
          "p, exact test of flips <= 2 x floor (addition)", "margin in SE of the rates (addition)",
          "flip rate caught with 80% power (addition)", "test level alpha", "threshold", "margin"],
         ["candidate flips: ",
@@ -49,7 +56,7 @@ EXPLAINED = {
         PROBABILITY_ROWS, ["noise pass batch-order: rms_dp = ", "noise pass fp16: rms_dp = ", "judged like accuracy: "],
         "probabilities.limits.max_rms_dp = 0.01198", "fp8gate compare-logprobs "),
     "test_ppl_ratio_within_limit": (
-        ["reference", "noise floor", "candidate", "SE of ln candidate (fails beyond 1 SE)", "limit x exp(1 SE)",
+        ["reference", "noise floor", "candidate", "SE of ln noise floor (fails beyond 1 SE)", "limit x exp(1 SE)",
          "threshold", "margin"], ["noise pass batch-order: ppl_ratio = ", "noise pass fp16: ppl_ratio = ",
                            "judged like accuracy: "],
         "probabilities.limits.max_ppl_ratio = 1.00042", "fp8gate compare-logprobs "),

@@ -118,6 +118,8 @@ TASK_KEYS = (*TASK_CHECKS, "name", "limits", "chat_template_kwargs")
 TASK_LIMIT_CHECKS = {
     "accuracy_se": number(0, low_open=True),
     "two_sided": boolean,
+    "accuracy_margin": FRACTION,
+    "accuracy_alpha": number(0, 0.5, low_open=True),
     "flips_ratio": RATIO,
     "min_flip_allowance": FRACTION,
     "flip_rule": text(FLIP_RULES),

@@ -133,6 +133,10 @@ class ProbabilitySpec:
 class TaskLimits:
     accuracy_se: float = 1.0
     two_sided: bool = False
+    # The paired accuracy rule (an addition): a drop fails when larger than this margin and significant at
+    # accuracy_alpha by the one-sided exact McNemar test (docs/validity.md, "The paired accuracy rule").
+    accuracy_margin: float = 0.01
+    accuracy_alpha: float = 0.05
     flips_ratio: float = 2.0
     min_flip_allowance: float = 0.01
     # "ratio": the article's point rule; "binomial": the exact test of both counts (rules.flip_allowance).

@@ -23,7 +23,10 @@ __all__ = [
     "Thinking",
     "binomial_se",
     "compare_answers",
+    "detectable_drop",
     "detectable_flip_rate",
+    "drop_fails_from",
+    "drop_power",
     "final_answer",
     "flip_ratio_p",
     "flip_rule_power",
@@ -31,6 +34,8 @@ __all__ = [
     "is_invalid",
     "length_drift",
     "mcnemar_exact_p",
+    "paired_drop_p",
+    "paired_se",
     "thinking_lengths",
 ]
 
@@ -97,6 +102,21 @@ def mcnemar_exact_p(right_to_wrong: int, wrong_to_right: int) -> float:
         return 1.0
     tail = sum(math.comb(n, i) for i in range(min(right_to_wrong, wrong_to_right) + 1))
     return min(1.0, 2 * tail / 2**n)
+
+
+def paired_drop_p(right_to_wrong: int, wrong_to_right: int) -> float:
+    """One-sided exact McNemar p-value of "the candidate answers no worse" (an addition): P(X >= b) for
+    X ~ Binomial(b + c, 1/2), b the right-to-wrong and c the wrong-to-right answers. Integers, as above."""
+    if right_to_wrong < 0 or wrong_to_right < 0:
+        raise ValueError("flip counts must be non-negative")
+    n = right_to_wrong + wrong_to_right
+    return sum(math.comb(n, i) for i in range(right_to_wrong, n + 1)) / 2**n
+
+
+def paired_se(discordant: int, questions: int) -> float:
+    """SE of the accuracy drop over paired answers, sqrt(D)/n for D discordant answers (an addition): the
+    questions both runs grade alike add nothing to the difference's spread."""
+    return math.sqrt(discordant) / questions
 
 
 def _index_by_question(
@@ -198,33 +218,36 @@ def _binomial_pmf(n: int, p: float) -> np.ndarray:
     return np.exp(log_comb + k * math.log(p) + (n - k) * math.log1p(-p))
 
 
-def flip_ratio_p(flips: int, floor_flips: int, ratio: float) -> float:
+def flip_ratio_p(flips: int, floor_flips: int, ratio: float, floor_passes: int = 1) -> float:
     """One-sided exact conditional binomial p-value of "candidate flips at most ``ratio`` x the floor's".
 
-    Both counts are treated as Poisson with rates lambda_c and lambda_f. Under
-    H0 lambda_c = ratio * lambda_f, the candidate's share of all flips is
-    c | c + f ~ Binomial(c + f, ratio / (1 + ratio)); the p-value is
+    Both counts are treated as Poisson with rates lambda_c and lambda_f per pass of the questions;
+    ``floor_flips`` is summed over ``floor_passes`` noise passes, so its exposure is that many passes.
+    Under H0 lambda_c = ratio * lambda_f, the candidate's share of all flips is
+    c | c + f ~ Binomial(c + f, ratio / (floor_passes + ratio)); the p-value is
     P(X >= c). A small p says the candidate flips more than ``ratio`` x the floor
     beyond what the noise in both counts explains.
     """
-    if min(flips, floor_flips) < 0 or ratio <= 0:
-        raise ValueError("flip counts must be non-negative and ratio positive")
+    if min(flips, floor_flips) < 0 or ratio <= 0 or floor_passes < 1:
+        raise ValueError("flip counts must be non-negative, ratio positive and floor_passes at least 1")
     total = flips + floor_flips
     if total == 0:
         return 1.0
-    return float(min(1.0, _binomial_pmf(total, ratio / (1.0 + ratio))[flips:].sum()))
+    return float(min(1.0, _binomial_pmf(total, ratio / (floor_passes + ratio))[flips:].sum()))
 
 
-def flip_rule_power(allowed: Callable[[int], float], floor_rate: float, cand_rate: float, questions: int) -> float:
+def flip_rule_power(allowed: Callable[[int], float], floor_rate: float, cand_rate: float, questions: int,
+                    floor_passes: int = 1) -> float:
     """Probability that a flip rule fails a candidate whose true flip rate is ``cand_rate``.
 
-    ``allowed(f)`` is the rule's allowance for a floor count f; the rule fails when
-    the candidate's count exceeds it. Both counts are modelled as independent
-    Binomial(questions, rate) draws, which is what the conditional test assumes.
+    ``allowed(f)`` is the rule's allowance for a floor count f summed over ``floor_passes``
+    passes; the rule fails when the candidate's count exceeds it. Both counts are modelled as
+    independent binomial draws (the floor's over floor_passes x questions), which is what the
+    conditional test assumes.
     """
     if not (0.0 <= floor_rate <= 1.0 and 0.0 <= cand_rate <= 1.0) or questions <= 0:
         raise ValueError("rates must be fractions and questions positive")
-    floor_pmf = _binomial_pmf(questions, floor_rate)
+    floor_pmf = _binomial_pmf(questions * floor_passes, floor_rate)
     cand_tail = np.cumsum(_binomial_pmf(questions, cand_rate)[::-1])[::-1]  # P(C >= c)
     power = 0.0
     for f in np.flatnonzero(floor_pmf > 1e-12):
@@ -235,7 +258,7 @@ def flip_rule_power(allowed: Callable[[int], float], floor_rate: float, cand_rat
 
 
 def detectable_flip_rate(
-    allowed: Callable[[int], float], floor_rate: float, questions: int, power: float = 0.8
+    allowed: Callable[[int], float], floor_rate: float, questions: int, power: float = 0.8, floor_passes: int = 1
 ) -> float:
     """The smallest true candidate flip rate that the rule fails with probability ``power``.
 
@@ -243,12 +266,72 @@ def detectable_flip_rate(
     candidate that flips every question is caught less often than that.
     """
     allowed = functools.lru_cache(maxsize=None)(allowed)  # every bisection step asks for the same floors
-    if flip_rule_power(allowed, floor_rate, 1.0, questions) < power:
+    if flip_rule_power(allowed, floor_rate, 1.0, questions, floor_passes) < power:
         return math.inf
     low, high = floor_rate, 1.0
     for _ in range(40):
         middle = (low + high) / 2
-        if flip_rule_power(allowed, floor_rate, middle, questions) >= power:
+        if flip_rule_power(allowed, floor_rate, middle, questions, floor_passes) >= power:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+# ---- the accuracy rules' resolution (additions to the article) -------------------
+
+FailsFrom = Callable[[int], int]  # discordant count D -> the fewest right-to-wrong answers of D that fail
+
+
+def drop_fails_from(questions: int, margin: float, alpha: float = 1.0) -> FailsFrom:
+    """An accuracy rule's failing region on paired answers: for D discordant answers, the fewest
+    right-to-wrong answers b of them with a drop (2b - D)/n above ``margin`` and a one-sided exact
+    McNemar p below ``alpha`` (``alpha`` >= 1: the drop alone decides, as the article's rule does with
+    margin k SE). D + 1 where no b of D fails. The p-values here are floats, for the power sums."""
+    def fails_from(discordant: int) -> int:
+        # A hair above the half-way count, so that a drop of exactly the margin passes despite rounding.
+        past_margin = max(math.floor((margin * questions + discordant) / 2 + 1e-9) + 1, 0)
+        tail = np.cumsum(_binomial_pmf(discordant, 0.5)[::-1])[::-1]  # P(X >= b), X ~ Binomial(D, 1/2)
+        significant = np.flatnonzero(tail < alpha)
+        return max(past_margin, int(significant[0]) if significant.size else discordant + 1)
+    return fails_from
+
+
+def drop_power(fails_from: FailsFrom, questions: int, discordant_rate: float, drop: float) -> float:
+    """Probability that an accuracy rule fails a candidate whose true accuracy is ``drop`` below the
+    baseline's, exactly: right-to-wrong and wrong-to-right answers are multinomial with rates
+    discordant_rate / 2 + drop and discordant_rate / 2 (the run's churn, plus the loss), so
+    D ~ Binomial(n, discordant_rate + drop) and b | D ~ Binomial(D, share of right-to-wrong)."""
+    wrong_to_right = discordant_rate / 2
+    right_to_wrong = wrong_to_right + drop
+    total = right_to_wrong + wrong_to_right
+    if not (0.0 <= wrong_to_right and drop >= 0 and total <= 1.0) or questions <= 0:
+        raise ValueError(f"rates must be fractions summing to at most 1, got {right_to_wrong} and {wrong_to_right}")
+    if total == 0:
+        return 0.0
+    share = right_to_wrong / total
+    power = 0.0
+    discordant_pmf = _binomial_pmf(questions, total)
+    for d in np.flatnonzero(discordant_pmf > 1e-12):
+        first = fails_from(int(d))
+        if first <= d:
+            power += discordant_pmf[d] * _binomial_pmf(int(d), share)[first:].sum()
+    return float(power)
+
+
+def detectable_drop(fails_from: FailsFrom, questions: int, discordant: int, power: float = 0.8) -> float:
+    """The smallest true accuracy drop an accuracy rule fails with probability ``power``, at this run's
+    churn (``discordant`` answers of ``questions``); bisection, as ``detectable_flip_rate``. ``math.inf``
+    when even a drop of every answer left is caught less often than that."""
+    fails_from = functools.lru_cache(maxsize=None)(fails_from)
+    rate = discordant / questions
+    high = 1.0 - rate
+    if drop_power(fails_from, questions, rate, high) < power:
+        return math.inf
+    low = 0.0
+    for _ in range(30):
+        middle = (low + high) / 2
+        if drop_power(fails_from, questions, rate, middle) >= power:
             high = middle
         else:
             low = middle

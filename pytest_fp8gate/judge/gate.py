@@ -43,7 +43,8 @@ class Gate:
         # The evidence each rule's judge is given; probability rules share one, driven by their row, and
         # so do the decode phase's (generation_verdicts.decode_phase).
         self._judges: dict[str, Callable[[Case, rules.Rule], Verdict]] = {
-            rules.ACCURACY: self.accuracy, rules.FLIPS: self.flips, rules.SPEED: self.speed, rules.LOAD: self.load,
+            rules.ACCURACY: self.accuracy, rules.PAIRED_ACCURACY: self.paired_accuracy, rules.FLIPS: self.flips,
+            rules.SPEED: self.speed, rules.LOAD: self.load,
             rules.ACCEPTANCE: self.acceptance, rules.DECODE_GAP: self.decode_gap,
             rules.LENGTH_DRIFT: self.length_drift, rules.INVALID_RATE: self.invalid_rate,
             rules.RECOVERY: self.recovery, rules.TRUNCATION: self.truncation}
@@ -87,7 +88,8 @@ class Gate:
                 notes.append(topk_gap_note(self.config.probabilities.top_k))
         if limits.limit_se > 0:
             notes.append(f"judged like accuracy: fails only when the limit is missed by more than "
-                         f"{limits.limit_se:g} SE of the candidate's figure (limit_se; 0 judges the point estimate)")
+                         f"{limits.limit_se:g} SE of the worst noise pass's figure, what a build with no real change "
+                         "shows (limit_se, an addition; 0 judges the point estimate)")
         notes += generation_verdicts.candidate_noise_notes(self.comparisons, case.candidate)
         notes.append(f"{comparison.positions} positions; same top {comparison.same_top:.5f} "
                      f"± {comparison.same_top_se:.5f}, RMS Δp {comparison.rms_dp:.5f}, "
@@ -208,6 +210,28 @@ class Gate:
                        limit=self._task_limit(task, outcome.limit_key, getattr(task.limits, outcome.limit_key)),
                        recompute=self._flips_command(case, task))
 
+    def paired_accuracy(self, case: Case, rule: rules.Rule) -> Verdict:
+        task = self._task(case.task)
+        limits = task.limits
+        comparison, floors = self.answer_comparison(case)
+        outcome = rule.decide(comparison.right_to_wrong, comparison.wrong_to_right, comparison.questions,
+                              margin=limits.accuracy_margin, alpha=limits.accuracy_alpha)
+        figures = outcome.figures
+        notes = [f"an addition beside the article's accuracy rule: fails when the drop "
+                 f"({comparison.accuracy_base:.4f} -> {comparison.accuracy_cand:.4f}) is larger than "
+                 f"{limits.accuracy_margin:g} (tasks.limits.accuracy_margin) and the one-sided exact McNemar "
+                 f"test on the {figures['discordant']:g} changed answers gives p < {limits.accuracy_alpha:g} "
+                 f"(tasks.limits.accuracy_alpha): p = {figures['p_value']:.4g}, paired SE "
+                 f"{figures['paired_se']:.4g}",
+                 f"resolution at {comparison.questions} questions and this run's {figures['discordant']:g} changed "
+                 f"answers: a true drop of {figures['resolution']:.4g} is caught with {rules.DETECTION_POWER:.0%} "
+                 "power; a pass does not rule out a smaller one"]
+        notes += [f"noise pass {label}: {c.right_to_wrong} right->wrong, {c.wrong_to_right} wrong->right"
+                  for label, c in floors.items()]
+        return Verdict(case, outcome, self._answer_details(comparison, floors), tuple(notes),
+                       limit=self._task_limit(task, outcome.limit_key, getattr(limits, outcome.limit_key)),
+                       recompute=self._flips_command(case, task))
+
     def recovery(self, case: Case, rule: rules.Rule) -> Verdict:
         task = self._task(case.task)
         min_recovery = task.limits.min_recovery
@@ -233,15 +257,16 @@ class Gate:
     def flips(self, case: Case, rule: rules.Rule) -> Verdict:
         task = self._task(case.task)
         comparison, floors = self.answer_comparison(case)
-        floor_flips = max((c.flips for c in floors.values()), default=0)
+        # The noise passes are repeated measurements of one floor (an addition): their flips summed, tested
+        # against their summed exposure, so a further pass sharpens the floor instead of taking the worst.
+        floor_flips, passes = sum(c.flips for c in floors.values()), max(len(floors), 1)
         limits = task.limits
         outcome = rule.decide(comparison.flips, floor_flips, comparison.questions, ratio=limits.flips_ratio,
-                        min_allowance_fraction=limits.min_flip_allowance, rule=limits.flip_rule,
-                        alpha=limits.flip_alpha)
+                              min_allowance_fraction=limits.min_flip_allowance, rule=limits.flip_rule,
+                              alpha=limits.flip_alpha, floor_passes=passes)
         notes = [f"candidate flips: {comparison.right_to_wrong} right->wrong, {comparison.wrong_to_right} "
                  f"wrong->right; accuracy {comparison.accuracy_base:.4f} -> {comparison.accuracy_cand:.4f}; "
-                 f"McNemar exact p {comparison.mcnemar_p:.4g}", _flip_rule_note(limits, floor_flips,
-                                                                                comparison.questions, outcome)]
+                 f"McNemar exact p {comparison.mcnemar_p:.4g}", _flip_rule_note(limits, outcome, comparison.questions)]
         notes += [f"noise pass {label}: {c.flips} flip{'' if c.flips == 1 else 's'} ({PASS_DESCRIPTIONS[label]})"
                   for label, c in floors.items()]
         if floor_flips == 0:
@@ -423,16 +448,20 @@ def _load_table(candidate: list[rules.LoadLevel], baseline: list[rules.LoadLevel
             for own, c, b, fraction in rules.shown_level_pairs(candidate, baseline)]
 
 
-def _flip_rule_note(limits: TaskLimits, floor_flips: int, questions: int, outcome: RuleOutcome) -> str:
-    resolution = outcome.figures["resolution"]
+def _flip_rule_note(limits: TaskLimits, outcome: RuleOutcome, questions: int) -> str:
+    figures = outcome.figures
+    resolution, per_pass, passes = figures["resolution"], figures["noise_floor"], figures["noise_passes"]
+    floor = (f"{figures['noise_floor_flips']:g} flips in {passes:g} noise passes summed (an addition: "
+             f"{per_pass:.3g} a pass)" if passes > 1 else f"a floor of {per_pass:g}")
     if limits.flip_rule == rules.FLIP_BINOMIAL:
         judged = (f"judged by the one-sided exact conditional binomial test (an addition): fails when "
                   f"p < {limits.flip_alpha:g} and the count is above the minimum allowance, so at most "
-                  f"{outcome.limit:g} flips pass against a floor of {floor_flips}")
+                  f"{outcome.limit:g} flips pass against {floor}")
     else:
-        judged = (f"judged by the article's rule: at most max({limits.flips_ratio:g} x {floor_flips}, "
-                  f"{outcome.figures['minimum_allowance']:g}) = {outcome.limit:g} flips; p and SE margin are additions")
-    floor_rate = floor_flips / questions
+        judged = (f"judged by the article's rule: at most max({limits.flips_ratio:g} x {per_pass:.3g}, "
+                  f"{figures['minimum_allowance']:g}) = {outcome.limit:g} flips against {floor}; p and SE margin "
+                  "are additions")
+    floor_rate = per_pass / questions
     times = f", {resolution / floor_rate:.3g} x the floor" if floor_rate > 0 else ""
     return (f"{judged}. Resolution at {questions} questions and a floor rate of {floor_rate:.3g}: a true flip "
             f"rate of {resolution:.3g}{times} is caught with {rules.DETECTION_POWER:.0%} power; a pass does not "

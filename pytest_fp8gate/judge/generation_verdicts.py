@@ -102,7 +102,7 @@ def decode_gap(comparisons: Comparisons, case: Case, rule: rules.Rule) -> Verdic
         raise GateError(f"{config.path}: decode.limits.max_gap_kl: the engine gave no distributions to "
                         f"compute KL from (KL: {cand.logprobs.kl_kind})")
     outcome = rule.decide(rules.DECODE_GAP, cand.mean_kl, limits.max_gap_kl, base.mean_kl, limits.gap_ratio,
-                    measured_se=cand.logprobs.kl_se or 0.0, k_se=limits.limit_se, keys=("max_gap_kl", "gap_ratio"))
+                    measured_se=base.logprobs.kl_se or 0.0, k_se=limits.limit_se, keys=("max_gap_kl", "gap_ratio"))
     notes = [f"candidate decode vs its own prefill: {_figures(cand)}",
              f"baseline decode vs its own prefill (noise floor): {_figures(base)}",
              "KL(decode || prefill) on each model's own greedy continuations; a KV-cache path that prefill-only "
