@@ -72,15 +72,14 @@ def known_names() -> list[str]:
 
 
 def describe_match(name: str) -> str | None:
-    """How a GPU name resolves, for the user to see which card and bandwidth it means, with the other
-    cards a family name could have meant ("H100" is the SXM card; PCIe and NVL are written out); None
-    if unknown."""
+    """Which card and bandwidth a GPU name means, with the cards its family name also covers, so that a
+    user of another variant sees the figure is not theirs ("H100" is the SXM card); None if unknown."""
     entry = find_gpu(name)
     if entry is None:
         return None
-    text = f"{name!r} is the {entry.name} ({entry.bandwidth_gbps:,.0f} GB/s, {entry.memory_gib:g} GiB)"
-    tokens = _tokens(name)
-    others = [gpu for gpu in GPU_TABLE if gpu is not entry and tokens <= gpu.tokens]
+    card = f"the {entry.name} ({entry.bandwidth_gbps:,.0f} GB/s, {entry.memory_gib:g} GiB)"
+    text = card if name == entry.name else f"{name!r} is {card}"
+    others = [gpu for gpu in GPU_TABLE if gpu is not entry and entry.tokens <= gpu.tokens]
     if not others:
         return text
     return text + "; for " + " or ".join(f'the {gpu.name} ({gpu.bandwidth_gbps:,.0f} GB/s) write "{gpu.name}"'

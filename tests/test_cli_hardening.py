@@ -79,7 +79,7 @@ def test_roofline_warns_when_the_weights_need_more_than_one_gpu(tmp_path: Path, 
     config.write_text(json.dumps(LLAMA_70B))
     assert cli.main(["roofline", str(config), "--gpu", "H100"]) == 0
     assert capsys.readouterr().err == (
-        "fp8gate: warning: the weights (131.4 GiB) do not fit one H100 SXM (80 GiB, 72.0 GiB of it at vLLM's "
+        "fp8gate: warning: the weights (131.4 GiB) do not fit one H100 SXM (80 GiB each, 72.0 GiB of it at vLLM's "
         "gpu_memory_utilization 0.9); tensor_parallel_size = 2 holds them (65.7 GiB a GPU)\n")
     assert cli.main(["roofline", str(config), "--gpu", "H200", "--quantization", "fp8_per_channel"]) == 0
     assert capsys.readouterr().err == ""

@@ -126,6 +126,18 @@ def test_num_fewshot_beyond_the_examples_is_refused_before_any_engine(tmp_path: 
     assert calls(found, "start") == []
 
 
+def test_an_unknown_task_name_is_refused_before_any_engine(tmp_path: Path):
+    def edit(text: str) -> str:
+        return text.replace('task = "fp8gate_fake_echo"\n', 'task = "fp8gate_fake_ecoh"\n')
+
+    found = measurements(tmp_path, {"good": Needs(tasks=frozenset({"echo"}))}, edit, task=True)
+    with pytest.raises(MeasurementError) as info:
+        found.candidate("good")
+    assert str(info.value) == (f"measuring bf16: {found.config.path}: tasks[0].task: unknown lm-eval task "
+                               "'fp8gate_fake_ecoh'; did you mean 'fp8gate_fake_echo'?")
+    assert calls(found, "start") == []
+
+
 MARLIN_STACK = {"model_runner": "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
                 "attention_backends": ["FLASH_ATTN"], "compilation_mode": "3", "cudagraph_mode": "FULL_AND_PIECEWISE",
                 "linear_layers": {"Fp8LinearMethod [MarlinFP8ScaledMMLinearKernel]": 6,

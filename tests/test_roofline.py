@@ -413,10 +413,9 @@ def test_the_gpus_that_hold_the_weights(tmp_path: Path, llama_config: Path):
     assert estimate_from_path(llama_config, gpu="H100").tensor_parallel_to_fit == 1
 
 
-def test_describe_match_names_the_card_and_its_siblings():
-    assert gpu_bandwidths.describe_match("H100") == (
-        "'H100' is the H100 SXM (3,350 GB/s, 80 GiB); for the H100 PCIe (2,000 GB/s) write \"H100 PCIe\" or "
-        "the H100 NVL (3,900 GB/s) write \"H100 NVL\"")
-    assert gpu_bandwidths.describe_match("NVIDIA H100 80GB HBM3") == "'NVIDIA H100 80GB HBM3' is the H100 SXM " \
-                                                                     "(3,350 GB/s, 80 GiB)"
+def test_describe_match_names_the_card_and_the_others_of_its_family():
+    others = 'for the H100 PCIe (2,000 GB/s) write "H100 PCIe" or the H100 NVL (3,900 GB/s) write "H100 NVL"'
+    assert gpu_bandwidths.describe_match("H100") == f"'H100' is the H100 SXM (3,350 GB/s, 80 GiB); {others}"
+    assert gpu_bandwidths.describe_match("H100 SXM") == f"the H100 SXM (3,350 GB/s, 80 GiB); {others}"
+    assert gpu_bandwidths.describe_match("h100 pcie") == "'h100 pcie' is the H100 PCIe (2,000 GB/s, 80 GiB)"
     assert gpu_bandwidths.describe_match("MI300X") is None

@@ -135,6 +135,20 @@ class RooflineEstimate:
         }
 
 
+def weights_overflow(estimate: RooflineEstimate, parallel: int = 1) -> str | None:
+    """Why the weights do not fit ``parallel`` GPUs of the estimate's kind, and how many hold them; None where
+    they fit or the GPU is unknown."""
+    fit = estimate.tensor_parallel_to_fit
+    if fit is None or fit <= parallel:
+        return None
+    assert estimate.gpu_memory_gib is not None
+    share = estimate.gpu_memory_gib * GPU_MEMORY_UTILIZATION
+    gpus = f"one {estimate.gpu}" if parallel == 1 else f"{parallel} {estimate.gpu} GPUs"
+    return (f"the weights ({estimate.weight_gib:.1f} GiB) do not fit {gpus} ({estimate.gpu_memory_gib:g} GiB each, "
+            f"{share:.1f} GiB of it at vLLM's gpu_memory_utilization {GPU_MEMORY_UTILIZATION:g}); "
+            f"tensor_parallel_size = {fit} holds them ({estimate.weight_gib / fit:.1f} GiB a GPU)")
+
+
 def expected_active_experts(experts: int, per_token: int, batch: int) -> float:
     """nEff = N (1 - ((N - k) / N)^B): the expected distinct experts of N that B tokens touch, each
     choosing k of N uniformly at random (k at B = 1, towards N as B grows)."""

@@ -482,7 +482,11 @@ class Measurements:
         from . import lm_adapter
 
         tasks = [task for task in self.config.tasks if task.name in names]
-        return lm_adapter.task_problem(tasks, self._tasks()) if tasks else None
+        if not tasks:
+            return None
+        known = self._tasks().all_tasks
+        unknown = lm_adapter.task_name_problems(self.config, known, known, names)
+        return unknown[0] if unknown else lm_adapter.task_problem(tasks, self._tasks())
 
     def _run_task(self, engine: Engine, task: TaskSpec, directory: Path, layout: BatchLayout) -> Path:
         from . import lm_adapter

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -235,24 +236,45 @@ def _run_roofline(args: argparse.Namespace) -> int:
     )
     payload = estimate.as_dict()
     emit(args, payload, [(key, _plain(value)) for key, value in payload.items()])
-    fit = estimate.tensor_parallel_to_fit
-    if fit is not None and fit > 1:
-        print(f"fp8gate: warning: {weights_fit(estimate)}", file=sys.stderr)
+    crowded = roofline.weights_overflow(estimate)
+    if crowded:
+        print(f"fp8gate: warning: {crowded}", file=sys.stderr)
     return 0
-
-
-def weights_fit(estimate: roofline.RooflineEstimate) -> str:
-    """Why the weights need more than one GPU of the estimate's kind, and how many hold them."""
-    fit = estimate.tensor_parallel_to_fit
-    assert fit is not None and estimate.gpu_memory_gib is not None
-    share = estimate.gpu_memory_gib * roofline.GPU_MEMORY_UTILIZATION
-    return (f"the weights ({estimate.weight_gib:.1f} GiB) do not fit one {estimate.gpu} ({estimate.gpu_memory_gib:g} "
-            f"GiB, {share:.1f} GiB of it at vLLM's gpu_memory_utilization {roofline.GPU_MEMORY_UTILIZATION:g}); "
-            f"tensor_parallel_size = {fit} holds them ({estimate.weight_gib / fit:.1f} GiB a GPU)")
 
 
 def _plain(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def _add_check(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "check",
+        help="Check a thresholds file without starting an engine",
+        description="Run every check of a thresholds file that needs no engine: the loader's (keys, values, "
+        "local paths, the installed vLLM's names), key variables, task names against lm-eval's task index, "
+        "the GPU a name means and each model's roofline. One line per problem; exit status 1 on any.",
+    )
+    parser.add_argument("thresholds", type=Path, metavar="THRESHOLDS", help="The thresholds file")
+    _output_options(parser)
+    parser.set_defaults(run=_run_check)
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from .check import check_thresholds
+
+    started = time.perf_counter()
+    findings = check_thresholds(args.thresholds)
+    if args.json:
+        emit(args, findings.as_dict(), ())
+    else:
+        for note in findings.notes:
+            print(f"note: {note}")
+        for problem in findings.problems:
+            print(f"error: {problem}")
+        count = len(findings.problems)
+        verdict = f"{count} problem{'s' * (count != 1)}" if count else "no problem found"
+        print(f"{args.thresholds}: {verdict}, no engine started ({time.perf_counter() - started:.1f} s)")
+    return EXIT_FAILURE if findings.problems else 0
 
 
 def _add_demo(subparsers: Any) -> None:
@@ -366,6 +388,7 @@ _COMMANDS: list[Callable[[Any], None]] = [
     _add_compare_logprobs,
     _add_flips,
     _add_roofline,
+    _add_check,
     _add_demo,
     _add_assets,
     _add_plant,
