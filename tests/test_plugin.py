@@ -278,6 +278,19 @@ def test_report_header(pytester: pytest.Pytester, fake_gpus):
     )
 
 
+@pytest.mark.parametrize("speed, line", [
+    ('gpu = "H100"', "fp8gate speed.gpu: the H100 SXM (3,350 GB/s, 80 GiB); for the H100 PCIe (2,000 GB/s) write "
+                     '"H100 PCIe" or the H100 NVL (3,900 GB/s) write "H100 NVL"'),
+    ('gpu = "MI300X"\nbandwidth_gbps = 5300', "fp8gate speed.gpu: MI300X at 5,300 GB/s (speed.bandwidth_gbps)"),
+])
+def test_the_header_says_which_card_and_bandwidth_speed_gpu_means(pytester: pytest.Pytester, fake_gpus, speed: str,
+                                                                   line: str):
+    fake_gpus("NVIDIA L40S")
+    pytester.makefile(".toml", thresholds=thresholds_text(f"[speed]\n{speed}"))
+    result = pytester.runpytest("--fp8gate-require-gpu")
+    assert line in result.stdout.str().splitlines()
+
+
 LOADED_PROBE = """
 import sys
 

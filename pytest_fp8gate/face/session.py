@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .. import DEFAULT_CONFIG_NAME, hardware, timing
+from .. import DEFAULT_CONFIG_NAME, gpu_bandwidths, hardware, timing
 from ..config.spec import GateConfig
 from ..engines import lifecycle
 from ..engines.base import Engine
@@ -54,6 +54,11 @@ class RunState:
         else:
             candidates = ", ".join(spec.name for spec in gate.candidates)
             lines = [f"fp8gate: {display_path(gate.path)}: {gate.baseline.name} vs {candidates}"]
+            speed = gate.speed
+            if speed is not None and speed.bandwidth_gbps:
+                lines.append(f"fp8gate speed.gpu: {speed.gpu} at {speed.bandwidth_gbps:,g} GB/s (speed.bandwidth_gbps)")
+            elif speed is not None and speed.gpu != "auto":  # the table's card: a family name means one variant
+                lines.append(f"fp8gate speed.gpu: {gpu_bandwidths.describe_match(speed.gpu)}")
         stale = lifecycle.stale_warning(settings.artifacts) if settings.artifacts else None
         if stale:
             lines.append(stale)
