@@ -152,3 +152,16 @@ def test_noise_passes_pooled_give_a_tighter_flip_allowance_than_one() -> None:
     # A second pass also sharpens the resolution: the flip rate caught with 80% power.
     assert pooled.figures["resolution"] < rules.flips_within_noise_floor(
         84, 30, QUESTIONS, rule=rules.FLIP_BINOMIAL).figures["resolution"]
+
+
+def test_the_article_s_accuracy_rule_states_its_resolution_and_its_null_failure_rate() -> None:
+    se = math.sqrt(0.8 * 0.2 / QUESTIONS)
+    article = drop_fails_from(QUESTIONS, se)  # a drop past one SE fails, significant or not
+    resolution = rules.accuracy_within_se(0.8, 0.79, QUESTIONS, discordant=60).figures["resolution"]
+    assert resolution == detectable_drop(article, QUESTIONS, 60)
+    assert drop_power(article, QUESTIONS, 60 / QUESTIONS, resolution) >= 0.8
+    assert "resolution" not in rules.accuracy_within_se(0.8, 0.79, QUESTIONS).figures  # no churn given, none stated
+    # Why the paired rule is added beside it: with 200 answers changing both ways and no real drop, the article's
+    # rule fails an equally good build about 15% of the time; the paired rule at most alpha.
+    assert drop_power(article, QUESTIONS, 200 / QUESTIONS, 0.0) == pytest.approx(0.153, abs=0.005)
+    assert drop_power(drop_fails_from(QUESTIONS, MARGIN, ALPHA), QUESTIONS, 200 / QUESTIONS, 0.0) <= ALPHA

@@ -28,6 +28,8 @@ def test_rule_ids_are_read_from_the_thresholds_file(pytester: pytest.Pytester) -
     result.stdout.fnmatch_lines([
         "thresholds.toml::test_accuracy_within_se[fp8-dynamic-gsm8k]",
         "thresholds.toml::test_accuracy_within_se[fp8-online-gsm8k]",
+        "thresholds.toml::test_paired_accuracy[fp8-dynamic-gsm8k]",
+        "thresholds.toml::test_paired_accuracy[fp8-online-gsm8k]",
         "thresholds.toml::test_flips_within_noise_floor[fp8-dynamic-gsm8k]",
         "thresholds.toml::test_flips_within_noise_floor[fp8-online-gsm8k]",
         "thresholds.toml::test_same_top_near_baseline[fp8-dynamic]",
@@ -36,7 +38,7 @@ def test_rule_ids_are_read_from_the_thresholds_file(pytester: pytest.Pytester) -
         "thresholds.toml::test_kl_within_limit[fp8-online]",
         "thresholds.toml::test_decode_speed_near_ceiling[fp8-dynamic]",
         "thresholds.toml::test_decode_speed_near_ceiling[fp8-online]",
-        "10 tests collected*",
+        "12 tests collected*",
     ])
     # Limits that are not configured produce no test at all, not an empty skip.
     assert "rms_dp" not in result.stdout.str() and "ppl_ratio" not in result.stdout.str()
@@ -45,9 +47,9 @@ def test_rule_ids_are_read_from_the_thresholds_file(pytester: pytest.Pytester) -
 def test_cuda_rules_are_marked_gpu_and_skip_without_one(pytester: pytest.Pytester) -> None:
     _write(pytester)
     selected = pytester.runpytest("--collect-only", "-q", "-m", "gpu and fp8gate", "thresholds.toml")
-    selected.stdout.fnmatch_lines(["10 tests collected*"])
+    selected.stdout.fnmatch_lines(["12 tests collected*"])
     ran = pytester.runpytest("-m", "gpu", "thresholds.toml", "-rs")
-    ran.assert_outcomes(skipped=10)
+    ran.assert_outcomes(skipped=12)
     ran.stdout.fnmatch_lines(["*no CUDA device visible*"])
 
 
@@ -61,7 +63,7 @@ def test_require_gpu_turns_the_skips_into_errors(pytester: pytest.Pytester) -> N
 def test_cpu_config_is_not_marked_gpu_and_speed_skips_without_bandwidth(pytester: pytest.Pytester) -> None:
     _write(pytester, device="cpu")
     result = pytester.runpytest("--collect-only", "-q", "-m", "gpu", "thresholds.toml")
-    result.stdout.fnmatch_lines(["*no tests collected (10 deselected)*"])
+    result.stdout.fnmatch_lines(["*no tests collected (12 deselected)*"])
     speed = pytester.runpytest("-k", "decode_speed", "thresholds.toml", "-rs")
     speed.assert_outcomes(skipped=2)
     speed.stdout.fnmatch_lines(["*no memory-bandwidth figure for the CPU engine*"])
@@ -108,12 +110,12 @@ def test_demo_creates_its_workdir_and_collects_the_demo_rules(tmp_path) -> None:
     assert "thresholds.toml::test_flips_within_noise_floor[fp8-per-channel-tiny-arith]" in done.stdout
     assert "thresholds.toml::test_kl_within_limit[fp8-per-channel]" in done.stdout
     # fp8_per_channel online, the FP8 KV cache, the two checkpoints and the BF16 control written from the
-    # model: 7 rules each, and the 4 of the decode phase
+    # model: 8 rules each, and the 4 of the decode phase
     assert "thresholds.toml::test_kl_within_limit[fp8-dynamic]" in done.stdout
     assert "thresholds.toml::test_kl_within_limit[fp8-static]" in done.stdout
     assert "thresholds.toml::test_kl_within_limit[bf16-rerounded]" in done.stdout
     assert "thresholds.toml::test_decode_vs_prefill_gap[bf16-fp8-kv]" in done.stdout
-    assert "55 tests collected" in done.stdout
+    assert "60 tests collected" in done.stdout
 
 
 def test_demo_on_cuda_judges_speed_with_cuda_graphs(tmp_path) -> None:
@@ -146,5 +148,5 @@ def test_cpu_skips_a_candidate_it_cannot_run_with_the_engines_reason(pytester: p
     skipped = [item for item in result.stdout.lines if "fp8-static" in item]
     assert skipped  # collected, then skipped at run time with the reason below
     run = pytester.runpytest("-q", "-rs", "-k", "fp8-static", "thresholds.toml")
-    run.assert_outcomes(skipped=7 + 4)  # and the four rules of the demo's [decode]
+    run.assert_outcomes(skipped=8 + 4)  # and the four rules of the demo's [decode]
     run.stdout.fnmatch_lines(["*candidate fp8-static*static activation scales*static_scaled_fp8_quant*"])

@@ -30,7 +30,8 @@ PROBABILITY_ROWS = ["reference", "noise floor", "candidate", "noise floor SE (fa
 # suite test -> the rows of its table, how its notes start, the limit it names and the command that recomputes it
 EXPLAINED = {
     "test_accuracy_within_se": (
-        ["baseline accuracy", "standard error", "questions", "candidate accuracy", "threshold", "margin"],
+        ["baseline accuracy", "standard error", "questions", "candidate accuracy",
+         "drop caught with 80% power (addition)", "threshold", "margin"],
         ["SE = sqrt(p(1-p)/n) with p the baseline accuracy; k = 1, one-sided (a drop fails)",
          "McNemar exact p on the flips: ", "noise pass batch-order: accuracy ", "noise pass fp16: accuracy "],
         "tasks[0].limits.accuracy_se = 1", "fp8gate flips "),
@@ -136,12 +137,13 @@ def test_the_accuracy_verdict_in_full(verdicts: dict[tuple[str, str], Verdict], 
     # Answers are fixed by a checksum of each question, not by random draws: the exact text.
     assert verdicts["test_accuracy_within_se", "bad"].explain() == f"""\
 accuracy FAILED for candidate bad on echo
-  baseline accuracy   0.825
-  standard error      0.0600781
-  questions           40
-  candidate accuracy  0.6
-  threshold           0.764922
-  margin              -0.164922
+  baseline accuracy                      0.825
+  standard error                         0.0600781
+  questions                              40
+  candidate accuracy                     0.6
+  drop caught with 80% power (addition)  0.140529
+  threshold                              0.764922
+  margin                                 -0.164922
   note: SE = sqrt(p(1-p)/n) with p the baseline accuracy; k = 1, one-sided (a drop fails)
   note: McNemar exact p on the flips: 0.003906 (an addition to the article)
   note: noise pass batch-order: accuracy 0.8250

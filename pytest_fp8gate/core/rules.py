@@ -82,6 +82,9 @@ TRUNCATION = "truncation"
 DECODE_PREFIX, DECODE_GAP = "decode_", "decode_gap"
 # The probability rules on their worst position bucket (issue 34; [probabilities.limits] per_bucket).
 BUCKET_PREFIX = "bucket_"
+DETECTION_POWER = 0.8  # the power at which a rule's resolution is quoted
+RESOLUTION_ROW = f"flip rate caught with {DETECTION_POWER:.0%} power (addition)"
+DROP_RESOLUTION_ROW = f"drop caught with {DETECTION_POWER:.0%} power (addition)"
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,8 @@ def _outcome(
 
 
 def accuracy_within_se(
-    base_acc: float, cand_acc: float, n: int, k: float = 1.0, two_sided: bool = False
+    base_acc: float, cand_acc: float, n: int, k: float = 1.0, two_sided: bool = False,
+    discordant: int | None = None,
 ) -> RuleOutcome:
     """Candidate accuracy may not fall more than k standard errors below baseline.
 
@@ -138,7 +142,9 @@ def accuracy_within_se(
     better is no reason to refuse it, and changed answers in either direction
     are still counted by the flip rule. ``two_sided=True`` also fails a rise of
     more than k SE (useful when the candidate should be indistinguishable).
-    ``limit`` is the bound on the side the candidate moved toward.
+    ``limit`` is the bound on the side the candidate moved toward. Given the
+    ``discordant`` (changed) answers, the rows also carry the resolution (an
+    addition): the smallest true drop the rule fails with 80% power at this churn.
     """
     if n <= 0:
         raise ValueError(f"n must be positive, got {n}")
@@ -153,10 +159,15 @@ def accuracy_within_se(
         ("questions", n),
         ("candidate accuracy", cand_acc),
     ]
+    figures: dict[str, float] = {}
+    if discordant is not None:
+        # The article's rule fails a drop past k SE whatever its significance: a margin, at any alpha.
+        figures["resolution"] = detectable_drop(drop_fails_from(n, k * se), n, discordant, DETECTION_POWER)
+        rows.append((DROP_RESOLUTION_ROW, figures["resolution"]))
     if two_sided and cand_acc > base_acc:
         upper = base_acc + k * se
-        return _outcome(ACCURACY, cand_acc, upper, upper - cand_acc, rows, "accuracy_se")
-    return _outcome(ACCURACY, cand_acc, lower, cand_acc - lower, rows, "accuracy_se")
+        return _outcome(ACCURACY, cand_acc, upper, upper - cand_acc, rows, "accuracy_se", figures)
+    return _outcome(ACCURACY, cand_acc, lower, cand_acc - lower, rows, "accuracy_se", figures)
 
 
 def paired_accuracy_within(right_to_wrong: int, wrong_to_right: int, questions: int, margin: float = 0.01,
@@ -218,9 +229,6 @@ def recovery_within(base_acc: float, cand_acc: float, both_right: float, n: int,
 FLIP_RATIO = "ratio"
 FLIP_BINOMIAL = "binomial"
 FLIP_RULES = (FLIP_RATIO, FLIP_BINOMIAL)
-DETECTION_POWER = 0.8  # the power at which a rule's resolution is quoted
-RESOLUTION_ROW = f"flip rate caught with {DETECTION_POWER:.0%} power (addition)"
-DROP_RESOLUTION_ROW = f"drop caught with {DETECTION_POWER:.0%} power (addition)"
 
 
 def minimum_flip_allowance(questions: int, min_allowance_fraction: float) -> int:

@@ -201,7 +201,7 @@ class Gate:
         task = self._task(case.task)
         comparison, floors = self.answer_comparison(case)
         outcome = rule.decide(comparison.accuracy_base, comparison.accuracy_cand, comparison.questions,
-                        k=task.limits.accuracy_se, two_sided=task.limits.two_sided)
+                              k=task.limits.accuracy_se, two_sided=task.limits.two_sided, discordant=comparison.flips)
         notes = [f"SE = sqrt(p(1-p)/n) with p the baseline accuracy; k = {task.limits.accuracy_se:g}"
                  f"{', two-sided' if task.limits.two_sided else ', one-sided (a drop fails)'}",
                  f"McNemar exact p on the flips: {comparison.mcnemar_p:.4g} (an addition to the article)"]
