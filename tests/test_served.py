@@ -457,3 +457,13 @@ def test_the_baseline_cache_is_keyed_on_the_whole_serve_command_and_never_holds_
     assert plain != key(f'serve = "{SERVE} --enable-chunked-prefill"\nenv = {{ HF_TOKEN = "hf_secret123" }}')
     assert plain != key(f'serve = "{SERVE}"\nenv = {{ HF_TOKEN = "hf_other" }}')
     assert "hf_secret123" not in json.dumps(plain)
+
+
+def test_the_first_example_of_served_md_loads(tmp_path: Path):
+    """Its env table once named VLLM_ATTENTION_BACKEND, which the installed vLLM no longer reads."""
+    text = (Path(__file__).parents[1] / "docs" / "served.md").read_text(encoding="utf-8")
+    example = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "thresholds.toml"
+    path.write_text(example + "[speed]\n")
+    served = load_config(path).baseline.served
+    assert served is not None and served.command[served.command.index("--attention-backend") + 1] == "FLASHINFER"
