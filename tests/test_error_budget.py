@@ -6,6 +6,7 @@ synthetic data; no engine."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -165,3 +166,16 @@ def test_the_article_s_accuracy_rule_states_its_resolution_and_its_null_failure_
     # rule fails an equally good build about 15% of the time; the paired rule at most alpha.
     assert drop_power(article, QUESTIONS, 200 / QUESTIONS, 0.0) == pytest.approx(0.153, abs=0.005)
     assert drop_power(drop_fails_from(QUESTIONS, MARGIN, ALPHA), QUESTIONS, 200 / QUESTIONS, 0.0) <= ALPHA
+
+
+def test_the_paired_rule_s_settings_are_checked_by_name(tmp_path) -> None:
+    from pytest_fp8gate.config.loader import load_config
+    from pytest_fp8gate.errors import ConfigError
+
+    example = (Path(__file__).parent.parent / "thresholds.toml").read_text(encoding="utf-8")
+    assert "accuracy_alpha = 0.05" in example
+    path = tmp_path / "thresholds.toml"
+    path.write_text(example.replace("accuracy_alpha = 0.05", "accuracy_alpha = 0.7"), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"thresholds.toml: tasks\[0\].limits.accuracy_alpha: expected a number in "
+                                          r"\(0, 0.5\], got 0.7"):
+        load_config(path)
