@@ -226,8 +226,8 @@ def main() -> None:
         from pytest_fp8gate.tools.demo.smollm2 import smollm2_checkpoint
         args.baseline = smollm2_checkpoint()
     if args.round_trip is None:
-        from pytest_fp8gate.tools.demo.planting import write_q8_0_round_trip
-        args.round_trip = write_q8_0_round_trip(args.baseline, work / "q8_0-roundtrip")
+        from pytest_fp8gate.run.reference_builds import Q8_0, write_build
+        args.round_trip = write_build(Q8_0, args.baseline, work / "q8_0-roundtrip")
 
     ggufs = {"base": work / "base-bf16.gguf", "rt": work / "q8_0-roundtrip-bf16.gguf", "q8_0": work / "q8_0.gguf"}
     for name, source in (("base", args.baseline), ("rt", args.round_trip)):

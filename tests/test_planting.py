@@ -15,19 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from pytest_fp8gate.run.reference_builds import BF16_REROUNDED as REROUNDED
+from pytest_fp8gate.run.reference_builds import MARKER, bf16_reround, write_rerounded
 from pytest_fp8gate.tools.cli import main as fp8gate_main
 from pytest_fp8gate.tools.demo import sink_plant
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
-from pytest_fp8gate.tools.demo.planting import (
-    EVICTED_SINK,
-    MARKER,
-    PLANT_KINDS,
-    REROUNDED,
-    WRONG_EOS,
-    bf16_reround,
-    plant,
-    write_rerounded,
-)
+from pytest_fp8gate.tools.demo.planting import EVICTED_SINK, PLANT_KINDS, WRONG_EOS, plant
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -163,15 +156,15 @@ def test_a_checkpoint_without_marker_is_never_replaced(tmp_path: Path, capsys) -
     (out / "config.json").write_text("{}")
     (out / WEIGHTS).write_bytes(b"someone's weights")
     assert fp8gate_main(["plant", "noscale", str(out)]) == 2
-    assert capsys.readouterr().err == (f"fp8gate: error: {out}: not a planted checkpoint (no {MARKER} from an "
-                                       "earlier fp8gate plant); refusing to replace it, give a new directory\n")
+    assert capsys.readouterr().err == (f"fp8gate: error: {out}: not a checkpoint fp8gate wrote (no {MARKER} from an "
+                                       "earlier fp8gate build); refusing to replace it, give a new directory\n")
     assert (out / WEIGHTS).read_bytes() == b"someone's weights"
 
 
 def test_the_embedded_model_is_never_replaced(capsys) -> None:
     before = (SOURCE / WEIGHTS).stat()
     assert fp8gate_main(["plant", "mild", str(SOURCE)]) == 2
-    assert "not a planted checkpoint" in capsys.readouterr().err
+    assert "not a checkpoint fp8gate wrote" in capsys.readouterr().err
     after = (SOURCE / WEIGHTS).stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
@@ -225,7 +218,7 @@ def test_leftover_temp_directory_is_not_reused(tmp_path: Path) -> None:
 
 def test_foreign_directory_is_never_replaced(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("keep me")
-    with pytest.raises(ValueError, match="not a planted checkpoint"):
+    with pytest.raises(ValueError, match="not a checkpoint fp8gate wrote"):
         plant("mild", SOURCE, tmp_path)
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 

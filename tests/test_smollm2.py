@@ -31,7 +31,8 @@ RULES = {"test_kl_within_limit", "test_same_top_near_baseline", "test_accuracy_w
 
 @pytest.fixture(scope="module")
 def gated(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from pytest_fp8gate.tools.demo.planting import Q8_0_ROUND_TRIP, write_q8_0_round_trip
+    from pytest_fp8gate.run.reference_builds import Q8_0, write_build
+    from pytest_fp8gate.tools.demo.planting import Q8_0_ROUND_TRIP
     from pytest_fp8gate.tools.demo.run import demo_config, toml_text
     from pytest_fp8gate.tools.demo.smollm2 import smollm2_checkpoint
 
@@ -41,7 +42,7 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> dict:
     config["noise"]["passes"] = ["batch-order"]
     config["probabilities"].update(chunks=1, chunk_tokens=CHUNK_TOKENS)
     if not CPU_RUNS_FP8:  # there the candidate is llama.cpp's Q8_0 rounding, stored as BF16, which runs anywhere
-        rounded = write_q8_0_round_trip(model, workdir / Q8_0_ROUND_TRIP)
+        rounded = write_build(Q8_0, model, workdir / Q8_0_ROUND_TRIP)
         config["candidates"] = [{"name": Q8_0_ROUND_TRIP, "model": rounded.as_posix()}]
     else:
         config["candidates"] = [c for c in config["candidates"] if c["name"] == "fp8-per-channel"]

@@ -330,12 +330,12 @@ BAD_INPUTS = {
     "probabilities without limits": (
         MODELS + "[probabilities]\nchunks = 10\n",
         "probabilities.limits: expected at least one of min_same_top, max_rms_dp, max_mean_kl, max_ppl_ratio, "
-        "max_kl_p99; nothing is gated",
+        "max_kl_p99, or a reference; nothing is gated",
     ),
     "probabilities with only how-to-judge keys": (
         MODELS + "[probabilities]\nchunks = 10\n[probabilities.limits]\nfloor_ratio = 2.0\nlimit_se = 0\n",
         "probabilities.limits: expected at least one of min_same_top, max_rms_dp, max_mean_kl, max_ppl_ratio, "
-        "max_kl_p99; nothing is gated",
+        "max_kl_p99, or a reference; nothing is gated",
     ),
     "floor_ratio table with an unknown rule": (
         MODELS + "[probabilities]\n[probabilities.limits]\nmax_mean_kl = 0.1\nfloor_ratio = { kl = 20 }\n",

@@ -19,7 +19,7 @@ from .. import checkpoint
 from ..core import roofline, spec_decode
 from ..core.rules import RULES
 from ..errors import ConfigError, RooflineError
-from .spec import BATCH_ORDER_PASS, FP16_PASS, NOISE_PASSES, PRECISION_PASSES, GateConfig, ModelSpec
+from .spec import BATCH_ORDER_PASS, FP16_PASS, NOISE_PASSES, PRECISION_PASSES, REFERENCES, GateConfig, ModelSpec
 from .vllm_names import FLOAT16_REFUSED
 
 Check = Callable[[Any], Any]
@@ -209,10 +209,32 @@ RATIO = number(1)  # a limit relative to BF16 or to the noise floor is never bel
 _PROBABILITY_RULE_NAMES = tuple(rule.name for rule in RULES if rule.kind == "probability")
 
 
+def reference_ratio(value: Any) -> dict[str, float]:
+    """Factors over the reference's distance from the ideal, by probability rule name."""
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a table of factors by rule, e.g. {{ mean_kl = 10 }}, got {show(value)}")
+    return _factors_by_rule(value)
+
+
+def references(value: Any) -> list[str]:
+    if not isinstance(value, list):
+        raise ValueError(f"expected an array of reference builds ({', '.join(map(repr, REFERENCES))}), "
+                         f"got {show(value)}")
+    check = text(REFERENCES)
+    names = [check(item) for item in value]
+    if len(set(names)) != len(names):
+        raise ValueError(f"expected each reference at most once, got {names}")
+    return names
+
+
 def floor_ratio(value: Any) -> float | dict[str, float]:
     """One factor for every probability rule, or a table of factors by rule name."""
     if not isinstance(value, dict):
         return RATIO(value)
+    return _factors_by_rule(value)
+
+
+def _factors_by_rule(value: dict[str, Any]) -> dict[str, float]:
     for name in value:
         if name not in _PROBABILITY_RULE_NAMES:
             raise ValueError(f"unknown probability rule {name!r} in the table; "

@@ -21,6 +21,8 @@ from . import checks, engine_args, schema
 from .served import MAX_IN_FLIGHT, REQUEST_DEADLINE_S, endpoint_problem, flag_conflict
 from .spec import (
     CPU_MIN_THROUGHPUT_FRACTION,
+    PROBABILITY_RULE_BY_LIMIT,
+    REFERENCES,
     WIKITEXT_2,
     DatasetCorpus,
     DecodeLimits,
@@ -407,9 +409,17 @@ class _Parser:
 
     def probabilities(self, table: _Table, models: Sequence[ModelSpec]) -> ProbabilitySpec:
         limits = table.table("limits", schema.PROBABILITY_LIMIT_CHECKS)
-        if not any(key in limits.raw for key in schema.PROBABILITY_METRIC_LIMITS):
+        if not any(key in limits.raw for key in (*schema.PROBABILITY_METRIC_LIMITS, "reference")):
             expected = ", ".join(schema.PROBABILITY_METRIC_LIMITS)
-            raise self.error(limits.where, f"expected at least one of {expected}; nothing is gated")
+            raise self.error(limits.where, f"expected at least one of {expected}, or a reference; nothing is gated")
+        if "reference_ratio" in limits.raw and "reference" not in limits.raw:
+            raise self.error(limits.key("reference_ratio"), "needs reference, the build its factors multiply "
+                                                            f"(one of {', '.join(map(repr, REFERENCES))})")
+        for metric_limit in schema.PROBABILITY_METRIC_LIMITS:
+            rule_name = PROBABILITY_RULE_BY_LIMIT[metric_limit]
+            if metric_limit in limits.raw and rule_name in limits.raw.get("reference_ratio", {}):
+                raise self.error(limits.key(metric_limit), f"set beside reference_ratio.{rule_name}: give the limit "
+                                                           "as a value or as a factor over the reference, not both")
         values = table.values(ProbabilitySpec, schema.PROBABILITY_CHECKS)
         if values.get("chunk_tokens") == checks.MAX_MODEL_LEN:
             values["chunk_tokens"] = self.longest_chunk(table.key("chunk_tokens"), models)
@@ -418,6 +428,11 @@ class _Parser:
             limits=ProbabilityLimits(**limits.values(ProbabilityLimits, schema.PROBABILITY_LIMIT_CHECKS)),
             **values,
         )
+        if spec.measured_references and models[0].served is not None:
+            where = limits.key("reference") if "reference" in limits.raw else table.key("references")
+            raise self.error(where, "a reference build is written from the baseline's weights and measured "
+                                    "in-process; the baseline here is served: give its limits as values, or gate "
+                                    "with the baseline's model in-process")
         if isinstance(spec.corpus, FileCorpus):
             self.corpus_holds_the_chunks(table.key("chunks"), spec.corpus.path, spec.chunks, spec.chunk_tokens)
         return spec
@@ -433,7 +448,6 @@ class _Parser:
             raise self.error(where, f"{chunks} chunks of {chunk_tokens} tokens asked, but the corpus {path} has "
                                     f"{size:,} bytes, room for at most {most} (a token covers at least one byte); "
                                     f"lower {fix}, or give a longer corpus")
-
 
     def longest_chunk(self, where: str, models: Sequence[ModelSpec]) -> int:
         """chunk_tokens = "max_model_len": the least context of the models (engine.max_model_len where set, else

@@ -22,9 +22,12 @@ from .checks import (
     full_vocab,
     integer,
     number,
+    reference_ratio,
+    references,
     text,
     vllm_name,
 )
+from .spec import REFERENCES
 from .vllm_names import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 TOP_KEYS = ("device", "deterministic_scheduling", "baseline", "candidates", "noise", "probabilities", "decode",
@@ -87,6 +90,7 @@ PROBABILITY_CHECKS = {
     "full_vocab": full_vocab,
     "bucket_edges": bucket_edges,
     "min_bucket_positions": integer(1),
+    "references": references,
 }
 PROBABILITY_KEYS = (*PROBABILITY_CHECKS, "corpus", "limits")
 # The limits the probability rules and their decode-phase twins share.
@@ -99,6 +103,8 @@ PROBABILITY_LIMIT_CHECKS = {
     "floor_ratio": floor_ratio,
     "limit_se": number(0),
     "per_bucket": boolean,
+    "reference": text(REFERENCES),
+    "reference_ratio": reference_ratio,
 }
 PROBABILITY_METRIC_LIMITS = tuple(rule.limit_key for rule in RULES if rule.kind == "probability")
 TASK_CHECKS = {

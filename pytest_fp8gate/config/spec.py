@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core.buckets import DEFAULT_EDGES, MIN_BUCKET_POSITIONS
-from ..core.rules import SHARE_OF_BASELINE
+from ..core.rules import RULES, SHARE_OF_BASELINE
 from .served import MAX_IN_FLIGHT, REQUEST_DEADLINE_S
 
 
@@ -96,6 +96,18 @@ class FileCorpus:
 WIKITEXT_2 = DatasetCorpus("Salesforce/wikitext", "wikitext-2-raw-v1", "test", "text")
 
 
+# The reference builds the gate writes from the baseline's weights and measures like a noise pass
+# (run/reference_builds.py): llama.cpp's Q8_0 round trip, and an ideal per-channel E4M3 round trip.
+Q8_0_REFERENCE = "q8_0"
+E4M3_REFERENCE = "e4m3"
+REFERENCES = (Q8_0_REFERENCE, E4M3_REFERENCE)
+# Where [probabilities.limits] names a reference and no reference_ratio for a rule: how far past the reference
+# an FP8 candidate may sit, in the reference's distance from the ideal (docs/thresholds.md, "FP8 against the
+# model's own Q8_0"). PPL ratio has none: the reference's ln PPL ratio is near 0 and within a few SEs of it.
+FP8_REFERENCE_RATIOS: Mapping[str, float] = {"same_top": 2.5, "rms_dp": 3.0, "mean_kl": 10.0}
+PROBABILITY_RULE_BY_LIMIT = {rule.limit_key: rule.name for rule in RULES if rule.kind == "probability"}
+
+
 @dataclass(frozen=True)
 class ProbabilityLimits:
     min_same_top: float | None = None
@@ -108,6 +120,24 @@ class ProbabilityLimits:
     limit_se: float = 1.0  # a limit fails only when missed by more than this many SEs (the accuracy rule's k)
     # Issue 34: also judge each rule's worst position bucket against the floor's same bucket (the bucket_* rules).
     per_bucket: bool = False
+    # Limits as multiples of a reference build's distance from the ideal, measured on this model (an addition):
+    # the reference's name, and factors by rule name (FP8_REFERENCE_RATIOS where a rule has none).
+    reference: str | None = None
+    reference_ratio: Mapping[str, float] | None = None
+
+    def reference_ratio_for(self, rule_name: str) -> float | None:
+        """The factor over the reference's distance that ``rule_name``'s metric may reach, if any."""
+        if self.reference is None:
+            return None
+        if self.reference_ratio is not None and rule_name in self.reference_ratio:
+            return self.reference_ratio[rule_name]
+        return FP8_REFERENCE_RATIOS.get(rule_name)
+
+    def sets(self, limit_key: str) -> bool:
+        """Whether the rule of ``limit_key`` has a limit: its own value, or a factor over the reference."""
+        rule_name = PROBABILITY_RULE_BY_LIMIT.get(limit_key)
+        return getattr(self, limit_key) is not None or (
+            rule_name is not None and self.reference_ratio_for(rule_name) is not None)
 
     def floor_ratio_for(self, rule_name: str) -> float | None:
         """The factor over the noise floor that ``rule_name``'s metric may reach, if one is set."""
@@ -124,9 +154,17 @@ class ProbabilitySpec:
     top_k: int = 20
     full_vocab: bool | Literal["auto"] = "auto"
     limits: ProbabilityLimits = ProbabilityLimits()
+    # Reference builds measured with the baseline and shown in every probability verdict (an addition).
+    references: tuple[str, ...] = ()
     # Issue 34: the figures per bucket of positions (buckets.py); a bucket with fewer positions is not judged.
     bucket_edges: tuple[int, ...] = DEFAULT_EDGES
     min_bucket_positions: int = MIN_BUCKET_POSITIONS
+
+    @property
+    def measured_references(self) -> tuple[str, ...]:
+        """The reference builds to measure: those listed, and the one the limits are relative to."""
+        named = (*self.references, *([self.limits.reference] if self.limits.reference else []))
+        return tuple(dict.fromkeys(named))
 
 
 @dataclass(frozen=True)
@@ -256,6 +294,10 @@ class DecodeLimits:
     floor_ratio: float | None = None
     gap_ratio: float = 3.0  # the candidate's gap may also reach this times the baseline's own gap
     limit_se: float = 1.0
+
+    def sets(self, limit_key: str) -> bool:
+        """Whether the rule of ``limit_key`` has a limit."""
+        return getattr(self, limit_key) is not None
 
 
 @dataclass(frozen=True)

@@ -813,12 +813,14 @@ class Rule:
         return self.judge(*args, **kwargs)
 
     def against_floors(self, metric: str, comparison: Any, floors: Mapping[str, Any], limit: float | None,
-                       factor: float | None, floor_key: str, limit_se: float) -> tuple[RuleOutcome, dict[str, float]]:
+                       factor: float | None, floor_key: str, limit_se: float, limit_key: str | None = None
+                       ) -> tuple[RuleOutcome, dict[str, float]]:
         """A probability rule (on the corpus, a position bucket or generated text) on ``comparison``'s figure
         ``metric`` against the worst of ``floors``' figures: the one place its limit, floor ratio and limit_se
         meet. limit_se counts SEs of that worst floor's figure, what a build with no real change shows, so a
         worse and noisier candidate is allowed no more; with no floor measured there is no allowance (the
-        point estimate is judged). Returns the outcome and each floor's figure."""
+        point estimate is judged). ``limit_key``: the setting ``limit`` comes from, where it is not the rule's
+        own key (a factor over a reference build). Returns the outcome and each floor's figure."""
         assert self.bound is not None and self.ideal is not None and self.se_field is not None
         ideal = self.ideal
         floor_values = {label: value for label, c in floors.items() if (value := getattr(c, metric)) is not None}
@@ -826,8 +828,17 @@ class Rule:
         null_se = (getattr(floors[worst], self.se_field) or 0.0) if worst is not None else 0.0
         outcome = self.bound(self.name, getattr(comparison, metric), limit,
                              None if worst is None else floor_values[worst], factor, ideal=ideal,
-                             measured_se=null_se, k_se=limit_se, keys=(self.limit_key, floor_key))
+                             measured_se=null_se, k_se=limit_se, keys=(limit_key or self.limit_key, floor_key))
         return within_sanity_floor(outcome, comparison.same_top), floor_values
+
+    def limit_over(self, reference: float, factor: float) -> float:
+        """A probability rule's limit at ``factor`` times a reference build's distance from the ideal (an
+        addition): 1 - factor x (1 - same top), factor x KL, and for the PPL ratio in logs."""
+        assert self.ideal is not None
+        if self.bound is ratio_at_most:
+            return self.ideal * math.exp(factor * abs(math.log(reference / self.ideal)))
+        sign = 1 if self.bound is at_least else -1
+        return self.ideal - sign * factor * abs(reference - self.ideal)
 
 
 # The probability rows follow [probabilities.limits]; each name is also its LogprobComparison field.

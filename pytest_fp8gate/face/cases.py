@@ -50,7 +50,7 @@ def _cases(rule: rules.Rule, config: GateConfig) -> list[Case]:
         limits: Any = config.decode.limits if config.decode else None
     else:
         limits = config.probabilities.limits if config.probabilities else None
-    wanted = limits is not None and getattr(limits, rule.limit_key) is not None
+    wanted = limits is not None and limits.sets(rule.limit_key)
     if rule.kind == "bucket":
         wanted = wanted and limits.per_bucket
     return [Case(rule.name, c.name) for c in config.candidates] if wanted else []

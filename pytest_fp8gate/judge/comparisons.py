@@ -51,6 +51,7 @@ class Comparisons:
         self.records = records
         self._logprobs: dict[str, LogprobComparison] = {}
         self._logprob_floors: dict[str, LogprobComparison] | None = None
+        self._references: dict[str, LogprobComparison] | None = None
         self._baseline_answers: dict[str, list[AnswerRecord]] = {}
         self._answers: dict[tuple[str, str], AnswerComparison] = {}
         self._answer_floors: dict[str, dict[str, AnswerComparison]] = {}
@@ -83,11 +84,20 @@ class Comparisons:
     def logprob_floors(self) -> dict[str, LogprobComparison]:
         """Each noise pass that scored the corpus against the baseline's main pass."""
         if self._logprob_floors is None:
-            base = self.baseline().main.logprobs
-            assert base is not None
-            self._logprob_floors = {label: self._by_position(base, run.logprobs)
-                                    for label, run in self.baseline().noise.items() if run.logprobs is not None}
+            self._logprob_floors = self._against_baseline(self.baseline().noise)
         return self._logprob_floors
+
+    def references(self) -> dict[str, LogprobComparison]:
+        """Each reference build's pass over the corpus against the baseline's main pass, by build name."""
+        if self._references is None:
+            self._references = self._against_baseline(self.baseline().references)
+        return self._references
+
+    def _against_baseline(self, passes: dict[str, PassResult]) -> dict[str, LogprobComparison]:
+        base = self.baseline().main.logprobs
+        assert base is not None
+        return {label: self._by_position(base, run.logprobs) for label, run in passes.items()
+                if run.logprobs is not None}
 
     def _by_position(self, base: LogprobRun, cand: LogprobRun) -> LogprobComparison:
         """``compare_logprobs`` with the figures per position bucket of the corpus chunks (issue 34)."""

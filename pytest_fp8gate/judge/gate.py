@@ -90,6 +90,8 @@ class Gate:
             notes.append(f"judged like accuracy: fails only when the limit is missed by more than "
                          f"{limits.limit_se:g} SE of the worst noise pass's figure, what a build with no real change "
                          "shows (limit_se, an addition; 0 judges the point estimate)")
+        assert rule.ideal is not None
+        notes += self._reference_notes(rule.name, comparison, rule.ideal, floors)
         notes += generation_verdicts.candidate_noise_notes(self.comparisons, case.candidate)
         notes.append(f"{comparison.positions} positions; same top {comparison.same_top:.5f} "
                      f"± {comparison.same_top_se:.5f}, RMS Δp {comparison.rms_dp:.5f}, "
@@ -146,8 +148,43 @@ class Gate:
                 f"{self.config.path}: probabilities.limits.{rule.limit_key}: the engine gave no distributions to "
                 f"compute {metric} from (KL: {comparison.kl_kind}); remove the limit or use full_vocab/top_k"
             )
-        return rule.against_floors(metric, comparison, floors, getattr(limits, rule.limit_key),
-                                   limits.floor_ratio_for(metric), self._floor_key(metric), limits.limit_se)
+        limit, limit_key = getattr(limits, rule.limit_key), None
+        reference = self._reference_limit(rule, metric)
+        if reference is not None:
+            limit, limit_key, rows = reference
+        outcome, floor_values = rule.against_floors(metric, comparison, floors, limit, limits.floor_ratio_for(metric),
+                                                    self._floor_key(metric), limits.limit_se, limit_key)
+        if reference is not None:  # the reference's rows in place of the absolute limit's "reference" row
+            outcome = dataclasses.replace(outcome, rows=(*rows, *outcome.rows[1:]))
+        return outcome, floor_values
+
+    def _reference_limit(self, rule: rules.Rule, metric: str) -> tuple[float, str, tuple[rules.Row, ...]] | None:
+        """The limit a factor over the reference build sets (an addition): the reference's distance from the
+        ideal, measured on this model, times the factor; with its setting's key and display rows. None where
+        the metric's limit is a value."""
+        assert self.config.probabilities is not None and rule.ideal is not None
+        limits = self.config.probabilities.limits
+        factor = limits.reference_ratio_for(metric)
+        if factor is None or getattr(limits, rule.limit_key) is not None:
+            return None
+        assert limits.reference is not None  # a factor exists only beside a reference
+        value = getattr(self.comparisons.references()[limits.reference], metric)
+        limit = rule.limit_over(value, factor)
+        rows = ((f"reference {limits.reference} on this model", value),
+                (f"{factor:g} x its distance from {rule.ideal:g}", limit))
+        return limit, f"reference_ratio.{metric}", rows
+
+    def _reference_notes(self, metric: str, comparison: LogprobComparison, ideal: float,
+                         floors: Mapping[str, LogprobComparison]) -> list[str]:
+        """The candidate in units of each reference build's distance from the ideal, and of the worst floor's."""
+        distance = abs(getattr(comparison, metric) - ideal)
+        yardsticks = [(f"reference {name} (measured on this model's weights)", getattr(c, metric))
+                      for name, c in self.comparisons.references().items()]
+        floor_values = [getattr(c, metric) for c in floors.values() if getattr(c, metric) is not None]
+        if floor_values:
+            yardsticks.append(("the worst noise pass", max(floor_values, key=lambda v: abs(v - ideal))))
+        return [f"{metric} = {_number(distance / abs(value - ideal))} x {what}'s distance from {ideal:g} "
+                f"({metric} {_number(value)})" for what, value in yardsticks if value is not None and value != ideal]
 
     def _floor_key(self, metric: str) -> str:
         assert self.config.probabilities is not None
@@ -164,8 +201,12 @@ class Gate:
                    "noise_floor": {label: c.as_dict() for label, c in floors.items()}, **(extra or {})}
         recompute = compare_logprobs_command(self.comparisons.baseline().main,
                                              self.measurements.candidate(case.candidate).main, buckets)
-        setting = limits.floor_ratio_for(metric) if outcome.limit_key == self._floor_key(metric) \
-            else getattr(limits, outcome.limit_key)
+        if outcome.limit_key == self._floor_key(metric):
+            setting: Any = limits.floor_ratio_for(metric)
+        elif outcome.limit_key.startswith("reference_ratio."):
+            setting = limits.reference_ratio_for(metric)
+        else:
+            setting = getattr(limits, outcome.limit_key)
         limit = self._limit(f"probabilities.limits.{outcome.limit_key}", setting)
         return Verdict(case, outcome, details, notes, limit=limit, recompute=recompute)
 

@@ -82,6 +82,8 @@ def baseline_key(config: GateConfig, needs: Needs, engine_settings: dict[str, An
         # Like env: only when measured, so that entries without load keep their keys.
         **({"load": _load_key(config.load)} if config.load is not None and needs.load else {}),
     }
+    if probabilities is not None and needs.probabilities and probabilities.measured_references:
+        key["references"] = list(probabilities.measured_references)  # as decode: only when measured
     if needs.speculative:  # as decode: only then, so existing entries keep their keys
         key["needs"]["speculative"] = True
     if needs.decode and config.decode is not None:  # joins the key only then, so existing entries keep theirs
@@ -377,8 +379,9 @@ def _write_passes(passes: dict[str, PassResult], root: Path) -> dict[str, Any]:
     return {label: _write_pass(result, root) for label, result in passes.items()}
 
 
-def _read_passes(stored: dict[str, Any], entry: _Entry) -> dict[str, PassResult]:
-    return {label: _read_pass(result, entry) for label, result in stored.items()}
+def _read_passes(stored: dict[str, Any] | None, entry: _Entry) -> dict[str, PassResult]:
+    """Passes by label; None (an entry stored before references were kept) holds none."""
+    return {label: _read_pass(result, entry) for label, result in (stored or {}).items()}
 
 
 def _write_latency(latency: Latency | None, root: Path) -> dict[str, Any] | None:
@@ -472,6 +475,7 @@ class _Field:
 _FIELDS = (
     _Field("result.main", "main", _write_pass, _read_pass),
     _Field("result.noise", "noise", _write_passes, _read_passes),
+    _Field("result.references", "references", _write_passes, _read_passes, optional=True),
     _Field("result.start_s", "start_s"),
     _Field("result.kv_cache_tokens", "kv_cache_tokens"),
     _Field("result.vocab_size", "vocab_size"),
@@ -506,7 +510,7 @@ def _files(record: BaselineRecord, root: Path) -> list[str]:
     """The artifacts the entry keeps beside record.json, relative to ``root``."""
     result = record.result
     files = [*_pass_files(result.main, root)]
-    for noise in result.noise.values():
+    for noise in (*result.noise.values(), *result.references.values()):
         files += _pass_files(noise, root)
     files += [name for name in ("engine.json", "provenance.json") if (root / name).is_file()]
     return files + [_relative(path, root) for path in (result.decode.dumps.values() if result.decode else ())]

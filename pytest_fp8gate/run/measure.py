@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import tempfile
 import time
 import traceback
 import uuid
@@ -37,7 +38,7 @@ from ..engines.vllm_engine import FULL_VOCAB_LIMIT, VllmEngine, applied_env
 from ..errors import ComparisonError, Fp8GateError, IdScoringUnavailable, MeasurementError
 from ..options import COMPILE_CACHE_ENV
 from . import corpus as corpus_mod
-from . import decode_passes, preflight
+from . import decode_passes, preflight, reference_builds
 from .record import NOISE_STRIDE, BaselineRecord, DecodeResult, ModelResult, Needs, PassResult
 
 if TYPE_CHECKING:
@@ -329,9 +330,31 @@ class Measurements:
             with self._running(spec, f"{spec.name}-{name}", dtype=PRECISION_PASSES[name]) as engine:
                 result.noise[name] = self._passes(engine, spec, needs, name, record)
                 self._decode_floor(engine, needs, record, name, ALL_AT_ONCE)
+        probabilities = self.config.probabilities
+        for name in probabilities.measured_references if probabilities is not None and needs.probabilities else ():
+            result.references[name] = self._reference_pass(spec, name, record)
         self._write_provenance(spec)
         record.engine_runs = [run for run in self.engine_runs if run["name"] == spec.name]
         return record
+
+    def _reference_pass(self, spec: ModelSpec, name: str, record: BaselineRecord) -> PassResult:
+        """The reference build ``name`` written from the baseline's weights, scored on the corpus in its own
+        engine with the baseline's settings; the written checkpoint is removed once its engine stops."""
+        label = f"reference-{name}"
+        try:
+            source = checkpoint.weights_dir(spec.model)
+        except Exception as err:  # a hub id not in the local cache, or no weights at the path
+            raise MeasurementError(f"reference {name}: the baseline's weights ({spec.model}) are not on this "
+                                   f"machine as a checkpoint directory: {err}") from None
+        with tempfile.TemporaryDirectory(prefix=f".{label}-", dir=self.artifacts) as scratch:
+            with self.time.span(spec.name, f"writing {label}"):
+                try:
+                    build = reference_builds.write_build(name, source, Path(scratch) / name)
+                except ValueError as err:  # no safetensors weights to round
+                    raise MeasurementError(f"reference {name}: {err}") from None
+            reference = dataclasses.replace(spec, name=f"{spec.name}-{label}", model=str(build))
+            with self._running(reference, reference.name) as engine:
+                return self._passes(engine, reference, Needs(probabilities=True), label, record)
 
     def _measure_model(self, spec: ModelSpec, needs: Needs, base: BaselineRecord) -> ModelResult:
         with self._running(spec, spec.name) as engine:

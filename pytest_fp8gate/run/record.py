@@ -104,6 +104,8 @@ class ModelResult:
     spec_decode: list[Window] | None = None
     # The model against itself, by pass label: the baseline's [noise] passes, a candidate's candidate_passes.
     noise: dict[str, PassResult] = field(default_factory=dict)
+    # The baseline's reference builds (reference_builds.py) over the corpus, by name: the yardsticks beside the floor.
+    references: dict[str, PassResult] = field(default_factory=dict)
     decode: DecodeResult | None = None  # its decode phase (decode_passes); None: no [decode] rule
 
 

@@ -329,6 +329,36 @@ def _run_plant(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_build(subparsers: Any) -> None:
+    from ..run.reference_builds import BUILDS
+
+    parser = subparsers.add_parser(
+        "build",
+        help="Write a reference build or the BF16 control of a checkpoint",
+        description="Round every weight matrix of MODEL (a checkpoint directory, or a Hugging Face id in the "
+        "local cache) as KIND says and write it as a BF16 checkpoint, to gate as a candidate: q8_0 "
+        "(llama.cpp's Q8_0 round trip), e4m3 (an ideal per-channel E4M3 round trip of the linear layers), "
+        "bf16-rerounded (the equally valid BF16 control, which must pass every rule). An up-to-date OUT_DIR "
+        "is reused.",
+    )
+    parser.add_argument("kind", metavar="KIND", choices=list(BUILDS), help=f"One of: {', '.join(BUILDS)}")
+    parser.add_argument("model", metavar="MODEL", help="The baseline's checkpoint directory or model id")
+    parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="Checkpoint directory to write")
+    parser.set_defaults(run=_run_build)
+
+
+def _run_build(args: argparse.Namespace) -> int:
+    from ..checkpoint import weights_dir
+    from ..run.reference_builds import write_build
+
+    try:
+        path = write_build(args.kind, weights_dir(args.model), args.out_dir)
+    except (ValueError, OSError) as err:
+        raise CommandError(str(err)) from err
+    print(path.resolve())
+    return 0
+
+
 def _add_quantize(subparsers: Any) -> None:
     from .fp8_writer import SCHEMES
 
@@ -392,6 +422,7 @@ _COMMANDS: list[Callable[[Any], None]] = [
     _add_demo,
     _add_assets,
     _add_plant,
+    _add_build,
     _add_quantize,
     _add_random_checkpoint,
 ]

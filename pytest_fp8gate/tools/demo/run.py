@@ -31,7 +31,6 @@ DEMO_MODELS = ("tiny", "smollm2")  # the embedded model (default), SmolLM2-135M-
 # The shipped config's paths, relative to it, that the written one needs absolute: (table, key).
 ASSET_PATHS = (("baseline", "model"), ("probabilities", "corpus"), ("tasks", "include_path"))
 CHECKPOINT_SCHEMES = ("fp8-dynamic", "fp8-static")
-REROUNDED_SEED = 1  # the first of benchmarks/validity.py's re-rounded nulls
 TASK_QUESTIONS = 500  # the embedded task's test split
 SHIPPED_QUESTIONS = 100  # what the shipped demo judges on CPU (demo/thresholds.toml)
 
@@ -114,9 +113,10 @@ def demo_builds(source: Path, directory: Path, checkpoints: bool = False, real_m
     """The demo's written candidates, once per workdir (a complete one is reused): the equally
     valid BF16 build, with ``real_model`` llama.cpp's Q8_0 round trip, and with ``checkpoints``
     the pre-quantized checkpoints (calibrated on the demo's corpus)."""
+    from ...run.reference_builds import BF16_REROUNDED, Q8_0, write_build
     from ..fp8_writer import MARKER, calibration_pieces, write_fp8_checkpoint
     from .embedded import embedded_assets
-    from .planting import Q8_0_ROUND_TRIP, REROUNDED, write_q8_0_round_trip, write_rerounded
+    from .planting import Q8_0_ROUND_TRIP
 
     corpus = Path(demo_config({}, model=source if real_model else None)["probabilities"]["corpus"])
     calibration = calibration_pieces((corpus if real_model else embedded_assets().corpus).read_text(encoding="utf-8"))
@@ -128,9 +128,9 @@ def demo_builds(source: Path, directory: Path, checkpoints: bool = False, real_m
         if not (path / MARKER).is_file():
             write_fp8_checkpoint(source, path, scheme, calibration=calibration)
         written[scheme] = path
-    written[REROUNDED] = write_rerounded(REROUNDED_SEED, source, directory / REROUNDED)
+    written[BF16_REROUNDED] = write_build(BF16_REROUNDED, source, directory / BF16_REROUNDED)
     if real_model:
-        written[Q8_0_ROUND_TRIP] = write_q8_0_round_trip(source, directory / Q8_0_ROUND_TRIP)
+        written[Q8_0_ROUND_TRIP] = write_build(Q8_0, source, directory / Q8_0_ROUND_TRIP)
     return written
 
 
