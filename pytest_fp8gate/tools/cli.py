@@ -277,6 +277,33 @@ def _run_check(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if findings.problems else 0
 
 
+def _add_init(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "init",
+        help="Write a commented thresholds file to start from",
+        description="Write a thresholds file for MODEL that the loader reads as written: the baseline, the "
+        "candidates (default: vLLM's online fp8_per_channel of the same weights), the noise passes for the "
+        "device, llama.cpp's Q8_0 figures as probability limits, GSM8K, and on a GPU the speed table with "
+        "each model's roofline as comments where its config is on this machine.",
+    )
+    parser.add_argument("model", metavar="MODEL", help="The BF16 baseline: a Hugging Face id or a checkpoint directory")
+    parser.add_argument("--candidate", action="append", default=[], metavar="NAME",
+                        help="A vLLM quantization name (fp8_per_channel, fp8_per_tensor, ...) or a pre-quantized "
+                             "checkpoint; repeat for more")
+    parser.add_argument("--gpu", default="auto", help='speed.gpu: a GPU name, e.g. "H100 SXM" (default: %(default)s)')
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--output", "-o", type=Path, default=Path("thresholds.toml"),
+                        help="The file to write; never overwritten (default: %(default)s)")
+    parser.set_defaults(run=_run_init)
+
+
+def _run_init(args: argparse.Namespace) -> int:
+    from .starter import write_thresholds
+
+    print(write_thresholds(args.output, args.model, args.candidate, args.gpu, args.device))
+    return 0
+
+
 def _add_demo(subparsers: Any) -> None:
     from .demo.run import add_demo_command
 
@@ -419,6 +446,7 @@ _COMMANDS: list[Callable[[Any], None]] = [
     _add_flips,
     _add_roofline,
     _add_check,
+    _add_init,
     _add_demo,
     _add_assets,
     _add_plant,
