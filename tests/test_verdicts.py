@@ -26,7 +26,8 @@ from pytest_fp8gate.run.measure import Measurements
 RULE_TESTS = sorted(name for name in vars(suite) if name.startswith("test_")
                     and BY_TEST[name].kind not in ("load", "bucket", "speculative")
                     and BY_TEST[name].name not in GENERATION_RULES | {RECOVERY, TRUNCATION, "kl_p99"})
-PROBABILITY_ROWS = ["reference", "noise floor", "candidate", "noise floor SE (fails beyond 1 SE)", "threshold", "margin"]
+PROBABILITY_ROWS = ["reference", "noise floor", "candidate", "noise floor SE (fails beyond 1 SE)", "threshold",
+                    "margin"]
 # suite test -> the rows of its table, how its notes start, the limit it names and the command that recomputes it
 EXPLAINED = {
     "test_accuracy_within_se": (

@@ -83,6 +83,10 @@ DECODE_PREFIX, DECODE_GAP = "decode_", "decode_gap"
 # The probability rules on their worst position bucket (issue 34; [probabilities.limits] per_bucket).
 BUCKET_PREFIX = "bucket_"
 DETECTION_POWER = 0.8  # the power at which a rule's resolution is quoted
+# A baseline that changes more of its answers than this between its own passes gives flips no meaning (an
+# addition): a batching vLLM server re-running BF16 on GSM8K changed 13.4% (vllm#54705); with such a floor the
+# binomial rule fails a candidate only from about 31% flips, and any perturbation re-rolls the same questions.
+SATURATED_FLIP_FLOOR = 0.05
 RESOLUTION_ROW = f"flip rate caught with {DETECTION_POWER:.0%} power (addition)"
 DROP_RESOLUTION_ROW = f"drop caught with {DETECTION_POWER:.0%} power (addition)"
 

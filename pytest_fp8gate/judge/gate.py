@@ -313,6 +313,8 @@ class Gate:
         if floor_flips == 0:
             notes.append("the noise floor is exactly 0 flips (a deterministic engine): the minimum allowance "
                          f"of {task.limits.min_flip_allowance:g} x questions applies")
+        elif (floor_rate := floor_flips / passes / comparison.questions) > rules.SATURATED_FLIP_FLOOR:
+            notes.append(saturated_floor_note(floor_rate))
         examples = tuple(
             f"    doc {f.doc_id} ({f.direction.replace('_', ' ')}), target {_short(f.target)}\n"
             f"      baseline : {_short(f.base_response)}\n      candidate: {_short(f.cand_response)}"
@@ -487,6 +489,16 @@ def _load_table(candidate: list[rules.LoadLevel], baseline: list[rules.LoadLevel
             f"{c['ttft_p50']}/{c['ttft_p99']} s; TPOT p50/p99 baseline {b['tpot_p50']}/{b['tpot_p99']} ms, "
             f"candidate {c['tpot_p50']}/{c['tpot_p99']} ms"
             for own, c, b, fraction in rules.shown_level_pairs(candidate, baseline)]
+
+
+def saturated_floor_note(floor_rate: float) -> str:
+    """Why a flip verdict means little when the baseline alone re-rolls many answers, and what steadies it."""
+    return (f"the noise floor is saturated: the baseline alone changes {floor_rate:.1%} of its answers between "
+            f"passes (above {rules.SATURATED_FLIP_FLOOR:.0%}), so any perturbation re-rolls the same unstable "
+            "questions and flips no longer separate the candidate from noise; the probability rules remain the "
+            "signal. To steady the floor: batch-invariant kernels (VLLM_BATCH_INVARIANT=1 in the models' env, "
+            "where the installed vLLM has them), deterministic_scheduling = true, or fewer requests in flight "
+            "(max_in_flight on a served model)")
 
 
 def _flip_rule_note(limits: TaskLimits, outcome: RuleOutcome, questions: int) -> str:
