@@ -536,7 +536,8 @@ def fake_baseline(measurements: Measurements, calls: list[int] | None = None,
         (root / "provenance.json").write_text(json.dumps({"measured": "fake"}))
         runs = [{"label": "bf16", "name": "bf16", "started_at": "2026-12-01T09:00:00+00:00", "duration_s": 12.5,
                  "startup_s": 3.0, "kwargs": {"dtype": "bfloat16", "model": "model"}, "vllm": {"seed": "0"}}]
-        result = ModelResult(config.baseline, main, 3.0, 4096, RECORDED_VOCAB, noise=noise)
+        references = {"q8_0": write_pass(root, "reference-q8_0", logprob_run(3, 0.05), sample_rows(set()))}
+        result = ModelResult(config.baseline, main, 3.0, 4096, RECORDED_VOCAB, noise=noise, references=references)
         return BaselineRecord(result, [[1, 2, 3]], runs)
 
     return measure

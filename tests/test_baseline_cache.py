@@ -57,6 +57,9 @@ def test_cold_then_warm_restores_every_pass_without_measuring(gate: Path, tmp_pa
     assert "measured 2026-12-01T09:00:00+00:00" in warm.origin and "no baseline engine started" in warm.origin
     assert set(warm.result.noise) == {"batch-order", "fp16"}
     np.testing.assert_array_equal(warm.result.main.logprobs.full_logprobs, cold.result.main.logprobs.full_logprobs)
+    # The reference builds' passes are kept with the baseline: measured once per baseline.
+    np.testing.assert_array_equal(warm.result.references["q8_0"].logprobs.full_logprobs,
+                                  cold.result.references["q8_0"].logprobs.full_logprobs)
     # Restored into this run's artifacts, so the report's recompute commands work there.
     assert warm.result.main.samples[TASK] == tmp_path / "run2" / "bf16" / "main" / f"samples_{TASK}.jsonl"
     assert warm.result.noise["fp16"].samples[TASK].read_bytes() == cold.result.noise["fp16"].samples[TASK].read_bytes()

@@ -182,5 +182,5 @@ def test_each_reference_is_written_measured_in_its_own_engine_and_removed(judged
     started = [call[1] for call in calls if call[0] == "start"]
     # After the baseline's own engines (its main pass, its precision noise pass), before any candidate's.
     assert started[:4] == ["bf16", "bf16", "bf16-reference-e4m3", "bf16-reference-q8_0"]
-    assert (directory / "artifacts" / "bf16-reference-q8_0" / "reference-q8_0" / "logprobs.npz").is_file()
+    assert (directory / "artifacts" / "bf16" / "reference-q8_0" / "logprobs.npz").is_file()
     assert not list((directory / "artifacts").glob(".reference-*"))  # the written checkpoints are gone

@@ -354,7 +354,8 @@ class Measurements:
                     raise MeasurementError(f"reference {name}: {err}") from None
             reference = dataclasses.replace(spec, name=f"{spec.name}-{label}", model=str(build))
             with self._running(reference, reference.name) as engine:
-                return self._passes(engine, reference, Needs(probabilities=True), label, record)
+                # Among the baseline's artifacts, which the baseline cache keeps together.
+                return self._passes(engine, reference, Needs(probabilities=True), label, record, folder=spec.name)
 
     def _measure_model(self, spec: ModelSpec, needs: Needs, base: BaselineRecord) -> ModelResult:
         with self._running(spec, spec.name) as engine:
@@ -444,10 +445,10 @@ class Measurements:
             result.bandwidth_warning = hardware.nvml_disagreement(result.memory_bandwidth[1])  # does NVML agree?
 
     def _passes(self, engine: Engine, spec: ModelSpec, needs: Needs, label: str, base: BaselineRecord | None,
-                layout: BatchLayout = ALL_AT_ONCE) -> PassResult:
+                layout: BatchLayout = ALL_AT_ONCE, folder: str | None = None) -> PassResult:
         """One pass over the corpus and the tasks; ``base``: the baseline's record, whose top-k ids it scores
-        (None: the baseline's own main pass)."""
-        directory = self.artifacts / spec.name / label
+        (None: the baseline's own main pass); its dumps under ``folder`` (default: the model's name)."""
+        directory = self.artifacts / (folder or spec.name) / label
         directory.mkdir(parents=True, exist_ok=True)
         result = PassResult(label)
         timings = []
