@@ -1,4 +1,4 @@
-"""The repository's own test setup: pytester, and the fixtures the test files share.
+"""The repository's own test setup: hermetic pytester runs, and the fixtures the test files share.
 
 Shared code that is not a fixture (thresholds text, the fake engine, recorded
 measurements) lives in tests/fakes.py, which the test files import.
@@ -18,6 +18,19 @@ from pytest_fp8gate import hardware
 pytest_plugins = ["pytester"]
 
 DATA = Path(__file__).parent / "tests" / "data"
+# What every inner pytest run loads: the gate, by its entry point's name. Other plugins a test
+# means to test it names itself (`-p pytest_jsonreport`, `-p xdist`).
+INNER_PLUGINS = "-p fp8gate"
+
+
+@pytest.fixture
+def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """pytester whose runs, inline or in a subprocess, load the gate and the plugins a test names, not
+    every installed one: pytest-randomly would reseed and reorder them, pytest-xdist add its options."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    # pytester clears PYTEST_ADDOPTS when it starts; set after that, it reaches every run of this test.
+    monkeypatch.setenv("PYTEST_ADDOPTS", INNER_PLUGINS)
+    return pytester
 
 
 @pytest.fixture
@@ -49,3 +62,11 @@ def _write_checkpoint(directory: Path, vocab_size: int = 32) -> Path:
 def make_checkpoint() -> Callable[..., Path]:
     """Writes a minimal checkpoint the config checks accept: config.json and one 2x2 BF16 safetensors tensor."""
     return _write_checkpoint
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Each engine test starts engines that take the whole machine: on pytest-xdist's workers
+    # (scripts/test, --dist loadgroup) they share one worker and run one at a time.
+    for item in items:
+        if item.get_closest_marker("engine"):
+            item.add_marker(pytest.mark.xdist_group("engine"))

@@ -134,7 +134,7 @@ def test_the_default_fraction_follows_the_device_whose_null_set_it(tmp_path: Pat
 # ---- through the whole gate --------------------------------------------------------
 
 def _run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict]:
-    result = pytester.runpytest("thresholds.toml", "-p", "no:randomly", "-p", "no:cacheprovider",
+    result = pytester.runpytest("thresholds.toml", "-p", "pytest_jsonreport", "-p", "no:cacheprovider",
                                 "--json-report", "--json-report-file=report.json", *args)
     tests = json.loads((pytester.path / "report.json").read_text())["tests"]
     return result, tests[0]["metadata"]["fp8gate"] if tests and "metadata" in tests[0] else {}

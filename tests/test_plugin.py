@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pytest
@@ -330,15 +331,16 @@ def test_version_is_the_installed_distribution_s() -> None:
     assert pytest_fp8gate.__version__ == importlib.metadata.version("pytest-fp8gate")
 
 
-# pytest-xdist is not installed here: these conftests declare its options (-n is its alias for
-# --numprocesses, a short option only xdist may add) or mark the process as a worker the way
-# xdist's worker does, so the refusal is tested without it.
+# The refusal is tested against pytest-xdist itself (the dev extra installs it). Without it, this
+# conftest declares its options instead (-n is its alias for --numprocesses, a short option only xdist may add).
+XDIST = ["-p", "xdist"] if importlib.util.find_spec("xdist") else []
 XDIST_OPTIONS = """
 def pytest_addoption(parser):
     group = parser.getgroup("xdist")
     group.addoption("--numprocesses", dest="numprocesses", type=int)
     group.addoption("--dist", dest="dist", default="no")
 """
+# A process marked as a worker the way xdist's worker is: a gate run in a worker is refused too.
 XDIST_WORKER = """
 import pytest
 
@@ -350,14 +352,24 @@ XDIST_REFUSAL = ("ERROR: fp8gate cannot run under pytest-xdist ({}): every worke
                  "baseline engine on the same GPU; run the gate without -n")
 
 
-@pytest.mark.parametrize("conftest, args, how", [
-    (XDIST_OPTIONS, ["--numprocesses", "2"], "-n 2"),
-    (XDIST_OPTIONS, ["--dist", "loadfile"], "--dist loadfile"),
-    (XDIST_WORKER, [], "worker gw1"),
+def _distributed(pytester: pytest.Pytester) -> list[str]:
+    """The arguments that load pytest-xdist, or its options declared in a conftest where it is not installed."""
+    if not XDIST:
+        pytester.makeconftest(XDIST_OPTIONS)
+    return XDIST
+
+
+@pytest.mark.parametrize("args, how", [
+    (["--numprocesses", "2"], "-n 2"),
+    (["--dist", "loadfile"], "--dist loadfile"),
+    (None, "worker gw1"),
 ], ids=["numprocesses", "dist", "worker"])
-def test_xdist_is_refused_with_a_thresholds_file(pytester: pytest.Pytester, conftest: str, args: list[str],
-                                                 how: str):
-    pytester.makeconftest(conftest)
+def test_xdist_is_refused_with_a_thresholds_file(pytester: pytest.Pytester, args: list[str] | None, how: str):
+    if args is None:
+        pytester.makeconftest(XDIST_WORKER)
+        args = []
+    else:
+        args = _distributed(pytester) + args
     pytester.makefile(".toml", thresholds=VALID)
     result = pytester.runpytest(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -369,9 +381,8 @@ def test_xdist_is_refused_with_a_thresholds_file(pytester: pytest.Pytester, conf
                          ids=["no-thresholds-file", "n-0"])
 def test_xdist_without_the_gate_or_without_workers_is_fine(pytester: pytest.Pytester, no_gpu,
                                                            thresholds: str | None, args: list[str]):
-    pytester.makeconftest(XDIST_OPTIONS)
     if thresholds:
         pytester.makefile(".toml", thresholds=thresholds)
     pytester.makepyfile("def test_x(): pass")
-    result = pytester.runpytest(*args)
+    result = pytester.runpytest(*_distributed(pytester), *args)
     result.assert_outcomes(passed=1, skipped=1 if thresholds else 0)

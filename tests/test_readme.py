@@ -1,4 +1,5 @@
-"""The README's thresholds file is one a new user can copy: it loads, and it asks for every check."""
+"""The README's thresholds file is one a new user can copy: it loads, and it asks for every check. So does
+the repository's own thresholds.toml, the example for GPU runners."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import WIKITEXT_2
 
 README = Path(__file__).parent.parent / "README.md"
+GPU_EXAMPLE = Path(__file__).parent.parent / "thresholds.toml"
 
 
 def test_the_readme_thresholds_file_loads(tmp_path: Path) -> None:
@@ -24,6 +26,14 @@ def test_the_readme_thresholds_file_loads(tmp_path: Path) -> None:
     assert gate.probabilities is not None and gate.probabilities.corpus == WIKITEXT_2
     assert [t.task for t in gate.tasks] == ["gsm8k"] and gate.speed is not None
     assert len(block.splitlines()) <= 25
+
+
+def test_the_gpu_runners_example_loads() -> None:
+    # The suite's own runs leave the gate out (pyproject.toml's addopts), so none loads this file on the way.
+    gate = load_config(GPU_EXAMPLE)
+    assert gate.baseline.model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert [c.name for c in gate.candidates] == ["fp8-dynamic", "fp8-per-tensor", "fp8-online-per-channel"]
+    assert gate.probabilities is not None and [t.name for t in gate.tasks] == ["gsm8k"] and gate.speed is not None
 
 
 def test_the_readme_served_example_loads(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     """The gate over the thresholds file there, with every output it writes; none may hold the key, and no
     process it started may outlive it."""
     before = lifecycle.child_pids()  # an earlier test's engine run leaves vLLM's resource tracker
-    result = pytester.runpytest("thresholds.toml", "-p", "no:randomly", "-p", "no:cacheprovider",
+    result = pytester.runpytest("thresholds.toml", "-p", "pytest_jsonreport", "-p", "no:cacheprovider",
                                 "--fp8gate-artifacts=artifacts", "--fp8gate-report=report.md",
                                 "--json-report", "--json-report-file=report.json", *args)
     output = result.stdout.str() + result.stderr.str()

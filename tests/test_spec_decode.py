@@ -156,8 +156,8 @@ def test_serve_commands_with_the_flag_load(tmp_path: Path):
 # ---- through the whole gate --------------------------------------------------------
 
 def _run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict]:
-    result = pytester.runpytest("thresholds.toml", "-p", "no:randomly", "-p", "no:cacheprovider", "-k", "acceptance",
-                                "--json-report", "--json-report-file=report.json", *args)
+    result = pytester.runpytest("thresholds.toml", "-p", "pytest_jsonreport", "-p", "no:cacheprovider",
+                                "-k", "acceptance", "--json-report", "--json-report-file=report.json", *args)
     tests = json.loads((pytester.path / "report.json").read_text())["tests"]
     return result, tests[0]["metadata"]["fp8gate"] if tests and "metadata" in tests[0] else {}
 

@@ -99,7 +99,7 @@ def test_records_are_still_collected_after_vllm_reconfigures_its_loggers() -> No
 def test_the_gate_prints_and_reports_where_its_time_went(pytester: pytest.Pytester, fake_gpus) -> None:
     fake_gpus()
     write_gate(pytester.path, task=False)
-    result = pytester.runpytest("thresholds.toml", "-k", "kl_within", "--json-report",
+    result = pytester.runpytest("thresholds.toml", "-k", "kl_within", "-p", "pytest_jsonreport", "--json-report",
                                 "--json-report-file=report.json", "--fp8gate-report", "out/report.md",
                                 plugins=[UseEngine(fake_engine_class(MODELS))])
     result.assert_outcomes(passed=1, failed=1)
