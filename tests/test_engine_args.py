@@ -6,12 +6,15 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from vllm.engine.arg_utils import EngineArgs
 
 from pytest_fp8gate.config import engine_args
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.errors import ConfigError
 from test_thresholds import MINIMAL
 
+# EngineArgs imported above, before any test runs: pytester's in-process runs unload the modules they import,
+# and vLLM's operators cannot be registered a second time (see test_load.py).
 MODELS = MINIMAL
 
 
@@ -32,8 +35,6 @@ def load(tmp_path: Path, text: str):
 
 
 def test_the_field_list_is_the_installed_vllms():
-    from vllm.engine.arg_utils import EngineArgs
-
     names = {f.name for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_")}
     assert set(engine_args.engine_fields()) == names
     # Keys the old allow-list lacked are there: production settings can be expressed.
