@@ -1,7 +1,7 @@
 """How often the gate blocks a good build and how often it ships a bad one, on a demo's model.
 
 Run: HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 flock /tmp/fp8gate-engine.lock \
-       .venv/bin/python benchmarks/validity.py [--model tiny|smollm2] [--questions N] [--nulls N] [--chunks N]
+       .venv/bin/python benchmarks/validity.py [--model tiny|smollm2] [--questions N] [--nulls N] [--chunks N] [--cuda]
 
 One baseline engine (the embedded BF16 model, or with ``--model smollm2`` SmolLM2-135M-Instruct
 and its demo's thresholds, with the demo's engine settings, engine
@@ -50,6 +50,7 @@ from pytest_fp8gate.core.answers import (
     detectable_flip_rate,
     flip_rule_power,
 )
+from pytest_fp8gate.core.buckets import chunk_positions
 from pytest_fp8gate.core.dumps import read_lm_eval_samples
 from pytest_fp8gate.core.logprobs import LogprobComparison, LogprobRun, compare_logprobs
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
@@ -58,10 +59,11 @@ from pytest_fp8gate.run.corpus import chunk_corpus
 from pytest_fp8gate.run.lm_adapter import run_task, task_manager
 from pytest_fp8gate.run.measure import BATCH_ORDER
 from pytest_fp8gate.run.reference_builds import bf16_reround, write_build, write_transformed
-from pytest_fp8gate.tools.demo.planting import Recipe, fp8_round_trip, is_projection
-from pytest_fp8gate.tools.demo.run import DEMO_CONFIG, DEMO_MODELS, demo_config_text
+from pytest_fp8gate.tools.demo.planting import Recipe, fp8_round_trip, is_projection, plant
+from pytest_fp8gate.tools.demo.run import DEMO_MODELS, toml_text
 
 STRETCHES = (5e3, 1e4, 2e4, 3e4)  # 2e4 is the shipped `mild` plant
+PLANTS = ("noscale", "outlier", "mild")
 NOISE_SIZES = (0.04, 0.08, 0.12, 0.18)  # Gaussian sigma / matrix RMS
 ORDERS = {"order-forward-b5": BatchLayout(5), "order-reverse": BatchLayout(reverse=True)}
 REFERENCE_FACTORS = (1.5, 2.5, 5.0, 10.0, 20.0)  # candidate reference_ratio values for KL and same-top
@@ -137,8 +139,8 @@ def judge(name: str, group: str, base: Measured, cand: Measured, floors: list[Me
     SEs of the worst floor's figure; the floors' flips summed over their passes."""
     assert config.probabilities is not None
     limits, task = config.probabilities.limits, config.tasks[0].limits
-    comparison = compare_logprobs(base.run, cand.run)
-    floor_comparisons = {str(i): compare_logprobs(base.run, f.run) for i, f in enumerate(floors)}
+    comparison = by_chunk(base.run, cand.run, config)
+    floor_comparisons = {str(i): by_chunk(base.run, f.run, config) for i, f in enumerate(floors)}
     verdicts: dict[str, rules.RuleOutcome] = {}
     for rule in (r for r in rules.RULES if r.kind == "probability" and limits.sets(r.limit_key)):
         limit = configured_limit(rule, config, references)
@@ -160,6 +162,12 @@ def judge(name: str, group: str, base: Measured, cand: Measured, floors: list[Me
     floor_disagreement = max(1 - c.same_top for c in floor_comparisons.values())
     return Figures(name, group, comparison, answers.accuracy_cand, flips, verdicts,
                    _ratio(comparison.mean_kl, floor_kl), _ratio(1 - comparison.same_top, floor_disagreement))
+
+
+def by_chunk(base: LogprobRun, cand: LogprobRun, config: GateConfig) -> LogprobComparison:
+    """``compare_logprobs`` as the gate calls it: each row's position in its chunk given, so SEs cluster by chunk."""
+    assert config.probabilities is not None
+    return compare_logprobs(base, cand, chunk_positions(base.positions, config.probabilities.chunk_tokens))
 
 
 def configured_limit(rule: rules.Rule, config: GateConfig, references: dict[str, LogprobComparison]) -> float:
@@ -320,7 +328,7 @@ def measure_all(config: GateConfig, nulls: int, severities: int, scratch: Path
     for name in config.probabilities.measured_references:
         written = write_build(name, Path(baseline.model), scratch / "references" / name)
         run = run_engine(replace(baseline, name=f"reference-{name}", model=str(written)), config, manager, {}, scratch)
-        references[name] = compare_logprobs(base.run, run["main"].run)
+        references[name] = by_chunk(base.run, run["main"].run, config)
     builds: list[tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]] = [
         *((f"bf16-reround-{seed}", "null", bf16_reround(seed)) for seed in range(1, nulls + 1)),
         *((f"stretch-{s:g}", "regression", stretched(s)) for s in STRETCHES[:severities]),
@@ -339,17 +347,28 @@ def measure_all(config: GateConfig, nulls: int, severities: int, scratch: Path
         measured = run_engine(replace(baseline, name=name, model=str(out)), config, manager, {}, scratch)["main"]
         figures.append(judge(name, group, base, measured, floors, references, config))
         print(f"measured {name}", file=sys.stderr, flush=True)
+    for kind in PLANTS:  # the demo's planted regressions, which every default must catch
+        written = plant(kind, Path(baseline.model), scratch / "plants" / kind)
+        measured = run_engine(replace(baseline, name=f"planted-{kind}", model=str(written)), config, manager, {},
+                              scratch)["main"]
+        figures.append(judge(f"planted-{kind}", "regression", base, measured, floors, references, config))
     return base, floors, references, figures
 
 
-def study_config(model: str, scratch: Path) -> GateConfig:
-    """The demo's thresholds for ``model``: the embedded model's file, or SmolLM2's written for its checkpoint."""
-    if model == "tiny":
-        return load_config(DEMO_CONFIG)
-    from pytest_fp8gate.tools.demo.smollm2 import smollm2_checkpoint
+def study_config(model: str, scratch: Path, cuda: bool) -> GateConfig:
+    """The demo's thresholds for ``model`` (the embedded model, or SmolLM2's converted checkpoint), as
+    ``fp8gate demo [--cuda]`` writes them; on CUDA each engine runs eagerly, as many starts cost less so."""
+    from pytest_fp8gate.tools.demo.run import demo_config
 
+    source = None
+    if model == "smollm2":
+        from pytest_fp8gate.tools.demo.smollm2 import smollm2_checkpoint
+
+        source = smollm2_checkpoint()
+    document = demo_config({}, cuda=cuda, model=source)
+    document["baseline"]["engine"]["enforce_eager"] = True
     path = scratch / "thresholds.toml"
-    path.write_text(demo_config_text({}, model=smollm2_checkpoint()), encoding="utf-8")
+    path.write_text(toml_text(document), encoding="utf-8")
     return load_config(path)
 
 
@@ -360,12 +379,13 @@ def main() -> None:
     parser.add_argument("--nulls", type=int, default=30, help="re-rounded BF16 builds (plus 2 order changes)")
     parser.add_argument("--chunks", type=int, default=None, help="corpus chunks (default: the demo's)")
     parser.add_argument("--severities", type=int, default=len(STRETCHES), help="graded strengths per kind")
+    parser.add_argument("--cuda", action="store_true", help="run on a CUDA GPU with the demo's --cuda settings")
     args = parser.parse_args()
     # vLLM's own handlers print to stdout; unconfigured, its warnings reach stderr and stdout keeps the tables.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
     with tempfile.TemporaryDirectory(prefix="fp8gate-validity-") as temp:
-        config = study_config(args.model, Path(temp))
+        config = study_config(args.model, Path(temp), args.cuda)
         assert config.probabilities is not None
         if args.chunks:
             config = replace(config, probabilities=replace(config.probabilities, chunks=args.chunks))
@@ -375,7 +395,7 @@ def main() -> None:
         base, floors, references, figures = measure_all(config, args.nulls, args.severities, Path(temp))
 
     labels = ["batch-order", *config.noise.precision_passes]  # measure_all's floors, in its order
-    floor_comparisons = [compare_logprobs(base.run, f.run) for f in floors]
+    floor_comparisons = [by_chunk(base.run, f.run, config) for f in floors]
     floor_flips = sum(count_flips(base, f) for f in floors)
     nulls = [f for f in figures if f.group == "null"]
     regressions = [f for f in figures if f.group == "regression"]

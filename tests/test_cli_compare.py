@@ -217,6 +217,8 @@ def fake_roofline(monkeypatch):
 
 
 class Estimate:
+    tensor_parallel_to_fit = None  # no GPU memory to fit the weights into
+
     def as_dict(self):
         return {"bytes_per_token": 8.0e9, "ceiling_tok_s": 107.6, "gpu": "L40S"}
 

@@ -12,7 +12,8 @@ from pytest_fp8gate.run.record import Needs
 CONFIG = thresholds_text(
     '[[candidates]]\nname = "fp8-dynamic"\nmodel = "org/model-fp8"',
     '[[candidates]]\nname = "fp8-online"\nquantization = "fp8_per_channel"',
-    '[probabilities]\ncorpus = "corpus.txt"\n[probabilities.limits]\nmin_same_top = 0.97674\nmax_mean_kl = 0.001355',
+    '[probabilities]\ncorpus = "corpus.txt"\nchunks = 1\nchunk_tokens = 8\n'
+    "[probabilities.limits]\nmin_same_top = 0.97674\nmax_mean_kl = 0.001355",
     '[[tasks]]\nname = "gsm8k"\ntask = "gsm8k"\nfilter = "strict-match"\nmetric = "exact_match"',
     "[speed]\n{speed}", model="org/model", candidate=None, head='device = "{device}"')
 

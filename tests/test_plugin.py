@@ -175,7 +175,8 @@ BAD_THRESHOLDS = {
     ),
     "out of range": (
         VALID.replace("[speed]", "[speed]\nmin_fraction_of_ceiling = 80"),
-        "thresholds.toml: speed.min_fraction_of_ceiling: expected a number in (0, 1], got 80",
+        "thresholds.toml: speed.min_fraction_of_ceiling: expected a number in (0, 1], got 80; a fraction, not a "
+        "percent: did you mean 0.8?",
     ),
     "empty candidates": (
         thresholds_text("[speed]", candidate=None, head="candidates = []"),

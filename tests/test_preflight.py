@@ -12,7 +12,8 @@ from fakes import ANY_CPU_CANDIDATE, thresholds_text
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.errors import ConfigError
 
-GATE = thresholds_text('[probabilities]\ncorpus = "{corpus}"\n[probabilities.limits]\nmax_mean_kl = 0.1',
+GATE = thresholds_text('[probabilities]\ncorpus = "{corpus}"\nchunks = 1\nchunk_tokens = 8\n'
+                       '[probabilities.limits]\nmax_mean_kl = 0.1',
                        model="{base}", candidate='model = "{cand}"\nquantization = "{quantization}"\n{engine}')
 
 
@@ -135,7 +136,7 @@ def test_an_unknown_quantization_name(gate_dir: Path) -> None:
         "did you mean 'fp8_per_channel'?")
 
 
-@pytest.mark.parametrize("name", ["fp8_per_channel", "fp8_per_tensor", "fp8_per_block", "fp8", "online"])
+@pytest.mark.parametrize("name", ["fp8_per_channel", "fp8_per_tensor", "fp8_per_block", "online"])
 def test_known_quantization_names(gate_dir: Path, name: str) -> None:
     assert _load(gate_dir, quantization=name) is None
 
@@ -205,7 +206,7 @@ def test_top_k_beyond_the_vocabulary(gate_dir: Path) -> None:
 
 
 def test_a_toml_that_is_not_the_configured_one(pytester: pytest.Pytester) -> None:
-    gate = thresholds_text("[speed]", candidate='quantization = "fp8"')
+    gate = thresholds_text("[speed]", candidate='quantization = "fp8_per_tensor"')
     pytester.makefile(".toml", other=gate)
     result = pytester.runpytest("other.toml")
     assert result.ret == pytest.ExitCode.USAGE_ERROR

