@@ -179,3 +179,15 @@ def test_the_paired_rule_s_settings_are_checked_by_name(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"thresholds.toml: tasks\[0\].limits.accuracy_alpha: expected a number in "
                                           r"\(0, 0.5\], got 0.7"):
         load_config(path)
+
+
+def test_noise_passes_that_disagree_are_not_pooled() -> None:
+    from pytest_fp8gate.core.answers import pooled_floor
+
+    assert pooled_floor([30, 30, 30])[:2] == (90, 3)  # one rate, measured three times
+    assert pooled_floor([20, 30])[:2] == (50, 2)  # within chance of one rate (p 0.2)
+    # A batch-invariant engine's batch-order pass (0 flips) beside an FP16 one (8 of the same questions): two
+    # kinds of noise, p = 2 x 0.5^8; the worst pass alone is the floor, as the article's single pass.
+    flips, passes, p = pooled_floor([0, 8])
+    assert (flips, passes) == (8, 1) and p == pytest.approx(2 / 256)
+    assert pooled_floor([5]) == (5, 1, 1.0) and pooled_floor([]) == (0, 1, 1.0)

@@ -36,6 +36,7 @@ __all__ = [
     "mcnemar_exact_p",
     "paired_drop_p",
     "paired_se",
+    "pooled_floor",
     "thinking_lengths",
 ]
 
@@ -234,6 +235,25 @@ def flip_ratio_p(flips: int, floor_flips: int, ratio: float, floor_passes: int =
     if total == 0:
         return 1.0
     return float(min(1.0, _binomial_pmf(total, ratio / (floor_passes + ratio))[flips:].sum()))
+
+
+def pooled_floor(pass_flips: Sequence[int], alpha: float = 0.05) -> tuple[int, int, float]:
+    """The flip floor from several noise passes of the same questions (an addition): (flips, passes, p).
+
+    Passes whose counts agree with one rate are repeated measurements of it: their flips are summed and
+    tested against their summed exposure (``flip_ratio_p``'s ``floor_passes``). Whether they agree: under
+    equal rates the most flipping pass's share of all flips is Binomial(total, 1/m), and p is the chance that
+    some pass reaches its count (Bonferroni over the m passes). Below ``alpha`` the passes measure different
+    noise (a batch-invariant engine's batch-order pass beside an FP16 one), and the worst pass alone is the
+    floor, as one pass of it. One pass, or none, is its own floor (p = 1)."""
+    counts = list(pass_flips)
+    if min(counts, default=0) < 0:
+        raise ValueError("flip counts must be non-negative")
+    if len(counts) < 2:
+        return (counts[0] if counts else 0), 1, 1.0
+    total, worst, passes = sum(counts), max(counts), len(counts)
+    p = float(min(1.0, passes * _binomial_pmf(total, 1.0 / passes)[worst:].sum())) if total else 1.0
+    return (total, passes, p) if p >= alpha else (worst, 1, p)
 
 
 def flip_rule_power(allowed: Callable[[int], float], floor_rate: float, cand_rate: float, questions: int,

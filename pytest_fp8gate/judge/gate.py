@@ -16,7 +16,7 @@ from typing import Any
 
 from ..config.spec import GateConfig, LoadSpec, SpeedSpec, TaskLimits, TaskSpec
 from ..core import roofline, rules, spec_decode
-from ..core.answers import AnswerComparison
+from ..core.answers import AnswerComparison, pooled_floor
 from ..core.logprobs import TOPK_KL, LogprobComparison, PositionBucket
 from ..core.rules import RuleOutcome
 from ..errors import GateError, RooflineError
@@ -298,9 +298,10 @@ class Gate:
     def flips(self, case: Case, rule: rules.Rule) -> Verdict:
         task = self._task(case.task)
         comparison, floors = self.answer_comparison(case)
-        # The noise passes are repeated measurements of one floor (an addition): their flips summed, tested
-        # against their summed exposure, so a further pass sharpens the floor instead of taking the worst.
-        floor_flips, passes = sum(c.flips for c in floors.values()), max(len(floors), 1)
+        # Noise passes that agree are repeated measurements of one floor (an addition): their flips summed and
+        # tested against their summed exposure, so a further pass sharpens the floor; passes that disagree
+        # measure different noise, and the worst alone is the floor.
+        floor_flips, passes, agree_p = pooled_floor([c.flips for c in floors.values()])
         limits = task.limits
         outcome = rule.decide(comparison.flips, floor_flips, comparison.questions, ratio=limits.flips_ratio,
                               min_allowance_fraction=limits.min_flip_allowance, rule=limits.flip_rule,
@@ -310,6 +311,11 @@ class Gate:
                  f"McNemar exact p {comparison.mcnemar_p:.4g}", _flip_rule_note(limits, outcome, comparison.questions)]
         notes += [f"noise pass {label}: {c.flips} flip{'' if c.flips == 1 else 's'} ({PASS_DESCRIPTIONS[label]})"
                   for label, c in floors.items()]
+        if len(floors) > 1:
+            notes.append(f"the noise passes' counts {'agree' if passes > 1 else 'differ'} (p = {agree_p:.3g} that "
+                         "equal rates spread them this far; pooled unless below 0.05): "
+                         + ("summed as repeated measurements of one floor" if passes > 1
+                            else "the worst pass alone is the floor"))
         if floor_flips == 0:
             notes.append("the noise floor is exactly 0 flips (a deterministic engine): the minimum allowance "
                          f"of {task.limits.min_flip_allowance:g} x questions applies")
