@@ -224,7 +224,8 @@ def test_a_rule_whose_model_is_not_cached_offline_fails_with_one_line(pytester: 
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     pytester.makefile(".toml", thresholds=thresholds_text(
-        '[probabilities]\ncorpus = "corpus.txt"\n[probabilities.limits]\nmax_mean_kl = 0.1', model="org/not-cached",
+        '[probabilities]\ncorpus = "corpus.txt"\nchunks = 1\nchunk_tokens = 8\n[probabilities.limits]\n'
+        "max_mean_kl = 0.1", model="org/not-cached",
         head='device = "cpu"', candidate=ANY_CPU_CANDIDATE))
     pytester.makefile(".txt", corpus="Some text.")
     result = pytester.runpytest("thresholds.toml")
