@@ -171,9 +171,9 @@ def test_a_verdict_reads_against_the_reference_measured_on_this_model_and_the_fl
     assert rows[f"{FP8_REFERENCE_RATIOS['mean_kl']:g} x its distance from 0"] == pytest.approx(
         FP8_REFERENCE_RATIOS["mean_kl"] * reference)
     assert f"limit: {directory / 'thresholds.toml'} probabilities.limits.reference_ratio.mean_kl = 10" in text
-    notes = [line for line in text.splitlines() if "distance from 0 (mean_kl" in line]
-    yardsticks = ("reference e4m3 (measured on this model's weights)",
-                  "reference q8_0 (measured on this model's weights)", "the worst noise pass")
+    notes = [line for line in text.splitlines() if "the mean_kl distance from 0 of" in line]
+    yardsticks = ("reference e4m3, measured on this model's weights",
+                  "reference q8_0, measured on this model's weights", "the worst noise pass")
     assert len(notes) == 3 and all(what in note for note, what in zip(notes, yardsticks))
 
 

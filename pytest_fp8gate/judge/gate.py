@@ -178,13 +178,13 @@ class Gate:
                          floors: Mapping[str, LogprobComparison]) -> list[str]:
         """The candidate in units of each reference build's distance from the ideal, and of the worst floor's."""
         distance = abs(getattr(comparison, metric) - ideal)
-        yardsticks = [(f"reference {name} (measured on this model's weights)", getattr(c, metric))
+        yardsticks = [(f"reference {name}, measured on this model's weights", getattr(c, metric))
                       for name, c in self.comparisons.references().items()]
         floor_values = [getattr(c, metric) for c in floors.values() if getattr(c, metric) is not None]
         if floor_values:
             yardsticks.append(("the worst noise pass", max(floor_values, key=lambda v: abs(v - ideal))))
-        return [f"{metric} = {_number(distance / abs(value - ideal))} x {what}'s distance from {ideal:g} "
-                f"({metric} {_number(value)})" for what, value in yardsticks if value is not None and value != ideal]
+        return [f"candidate at {distance / abs(value - ideal):.3g} x the {metric} distance from {ideal:g} of {what} "
+                f"({_number(value)})" for what, value in yardsticks if value is not None and value != ideal]
 
     def _floor_key(self, metric: str) -> str:
         assert self.config.probabilities is not None
