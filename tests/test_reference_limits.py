@@ -4,6 +4,7 @@ and the verdicts (fake engine; the builds are real checkpoints of the embedded m
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from fakes import MODELS, FakeModel, fake_engine_class, thresholds_text, write_g
 from pytest_fp8gate import hardware
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import FP8_REFERENCE_RATIOS
-from pytest_fp8gate.errors import ConfigError
+from pytest_fp8gate.errors import ConfigError, MeasurementError
 from pytest_fp8gate.face import cases
 from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.run.measure import Measurements
@@ -184,3 +185,24 @@ def test_each_reference_is_written_measured_in_its_own_engine_and_removed(judged
     assert started[:4] == ["bf16", "bf16", "bf16-reference-e4m3", "bf16-reference-q8_0"]
     assert (directory / "artifacts" / "bf16" / "reference-q8_0" / "logprobs.npz").is_file()
     assert not list((directory / "artifacts").glob(".reference-*"))  # the written checkpoints are gone
+
+
+def test_a_baseline_without_safetensors_weights_is_named_before_any_candidate(tmp_path: Path):
+    from pytest_fp8gate.tools.demo.embedded import embedded_assets
+
+    model = tmp_path / "bin-model"  # weights vLLM loads, but no safetensors to round
+    model.mkdir()
+    shutil.copy2(embedded_assets().model / "config.json", model / "config.json")
+    (model / "pytorch_model.bin").write_bytes(b"weights")
+    engine_class = fake_engine_class(MODELS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hardware, "probe_cuda", lambda: hardware.CudaProbe((), "faked by the test"))
+        config = load_config(write_gate(tmp_path, lambda text: text.replace(
+            LIMITS, '[probabilities.limits]\nreference = "q8_0"\n').replace(
+            embedded_assets().model.as_posix(), model.as_posix()), task=False))
+        found = [param.values[0] for param in cases.cases_for("test_kl_within_limit", config, engine_class)]
+        measurements = Measurements(config, tmp_path / "artifacts", cases.needs_of(found), lambda line: None, None,
+                                    engine_class)
+        with pytest.raises(MeasurementError, match=r"reference q8_0: .*bin-model: no \*\.safetensors weights"):
+            measurements.record()
+    assert [call[1] for call in engine_class.calls if call[0] == "start"] == ["bf16", "bf16"]  # no candidate's

@@ -253,7 +253,8 @@ class Measurements:
 
     def _measure_baseline(self) -> None:
         with self.time.span(timing.GATE, "preflight"):
-            problem = preflight.key_problem(self.config, self.needs) or preflight.parallelism_problem(
+            keys = preflight.key_problems(self.config, self.needs)
+            problem = keys[0] if keys else preflight.parallelism_problem(
                 self.config, len(hardware.cuda_device_names()), self.needs)
         if problem:
             raise MeasurementError(problem)
@@ -343,7 +344,7 @@ class Measurements:
         label = f"reference-{name}"
         try:
             source = checkpoint.weights_dir(spec.model)
-        except Exception as err:  # a hub id not in the local cache, or no weights at the path
+        except (OSError, ValueError) as err:  # a hub id not in the local cache (LocalEntryNotFoundError), or no path
             raise MeasurementError(f"reference {name}: the baseline's weights ({spec.model}) are not on this "
                                    f"machine as a checkpoint directory: {err}") from None
         with tempfile.TemporaryDirectory(prefix=f".{label}-", dir=self.artifacts) as scratch:

@@ -143,7 +143,7 @@ def write_once(marker: dict, write: Callable[[Path, Path], None], source_dir: Pa
     (a build written earlier) or nothing: never any other checkpoint, such as the source itself."""
     weights = sorted(source_dir.glob("*.safetensors"))
     if not weights:
-        raise ValueError(f"{source_dir}: no *.safetensors weights to plant from")
+        raise ValueError(f"{source_dir}: no *.safetensors weights to write a build from")
     marker = {**marker, "source_sha256": _content_hash(weights)}
     if _read_marker(out_dir) == marker:
         return out_dir
