@@ -45,15 +45,18 @@ def test_a_good_file_passes_and_says_which_card_its_gpu_means(tmp_path: Path, ca
 def test_each_problem_is_one_line_naming_file_key_and_what_was_expected(tmp_path: Path, capsys,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GATE_KEY", raising=False)
+    monkeypatch.setenv("GATE_BASE_KEY", "")
     endpoint = (f'endpoint = "http://127.0.0.1:9"\nserved_model_name = "m"\nmodel = "{ASSETS.model.as_posix()}"\n'
                 'api_key_env = "GATE_KEY"')
     path = _write(tmp_path, TASK.replace(ASSETS.task, "fp8gate_tiny_arihm"), candidate=endpoint)
     text = path.read_text().replace(f'model = "{ASSETS.model.as_posix()}"',
                                     f'endpoint = "http://127.0.0.1:8"\nserved_model_name = "b"\n'
-                                    f'model = "{ASSETS.model.as_posix()}"', 1)
+                                    f'api_key_env = "GATE_BASE_KEY"\nmodel = "{ASSETS.model.as_posix()}"', 1)
     path.write_text(text)
     assert cli.main(["check", str(path), "--json"]) == cli.EXIT_FAILURE
     assert json.loads(capsys.readouterr().out)["problems"] == [
+        f"{path}: baseline.api_key_env: the environment variable GATE_BASE_KEY is not set or empty; set it to the "
+        "API key of bf16's endpoint",
         f"{path}: candidates[0].api_key_env: the environment variable GATE_KEY is not set or empty; set it to the "
         "API key of fp8's endpoint",
         f"{path}: tasks[0].task: unknown lm-eval task 'fp8gate_tiny_arihm'; did you mean 'fp8gate_tiny_arith'?",

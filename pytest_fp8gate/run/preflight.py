@@ -26,19 +26,18 @@ def _engine_specs(gate: GateConfig, needs: dict[str, Needs]) -> dict[str, ModelS
     return specs
 
 
-def key_problem(gate: GateConfig, needs: dict[str, Needs]) -> str | None:
-    """An endpoint's key variable (api_key_env) unset or empty, before the first engine or request; else None.
+def key_problems(gate: GateConfig, needs: dict[str, Needs]) -> list[str]:
+    """Each endpoint's key variable (api_key_env) unset or empty, before the first engine or request.
 
     Every model's key that is set is remembered first, so each is blanked in whatever any server sends back."""
     for spec in (gate.baseline, *gate.candidates):
         if spec.served is not None and spec.served.api_key_env is not None:
             http_client.remember_secret(os.environ.get(spec.served.api_key_env, ""))
-    for where, spec in _engine_specs(gate, needs).items():
-        variable = spec.served.api_key_env if spec.served is not None else None
-        if variable is not None and not os.environ.get(variable):
-            return (f"{gate.path}: {where}.api_key_env: the environment variable {variable} is not set or empty; "
-                    f"set it to the API key of {spec.name}'s endpoint")
-    return None
+    return [f"{gate.path}: {where}.api_key_env: the environment variable {spec.served.api_key_env} is not set or "
+            f"empty; set it to the API key of {spec.name}'s endpoint"
+            for where, spec in _engine_specs(gate, needs).items()
+            if spec.served is not None and spec.served.api_key_env is not None
+            and not os.environ.get(spec.served.api_key_env)]
 
 
 def hub_problem(gate: GateConfig, needs: dict[str, Needs]) -> str | None:

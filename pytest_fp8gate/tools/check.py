@@ -41,9 +41,10 @@ def check_thresholds(path: Path | str) -> Findings:
         return Findings([str(err)])
     findings = Findings()
     every = {spec.name: Needs() for spec in gate.candidates}  # each candidate as if its rules were selected
-    for problem in (preflight.key_problem(gate, every), preflight.hub_problem(gate, every)):
-        if problem:
-            findings.problems.append(problem)
+    findings.problems += preflight.key_problems(gate, every)
+    hub = preflight.hub_problem(gate, every)
+    if hub:
+        findings.problems.append(hub)
     _gpu_count(gate, every, findings)
     if gate.tasks:
         from ..run import lm_adapter
