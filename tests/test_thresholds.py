@@ -493,6 +493,22 @@ def test_float16_is_refused_where_vllm_refuses_it(write, tmp_path: Path, checkpo
     assert load_config(write(thresholds_text("[noise]\npasses = [\"fp16\"]", "[speed]", model=str(llama))))
 
 
+def test_float16_is_refused_for_a_cached_hugging_face_model_too(write, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch):
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "hub" / "models--org--gemma" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "gemma2", "vocab_size": 32}))
+    (tmp_path / "hub" / "models--org--gemma" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--gemma" / "refs" / "main").write_text("abc")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    message = error_of(write(thresholds_text("[noise]\npasses = [\"fp16\"]", "[speed]", model="org/gemma")))
+    assert message.startswith('thresholds.toml: noise.passes: "fp16" restarts the baseline in float16, which vLLM '
+                              "refuses for model type 'gemma2'")
+    assert load_config(write(thresholds_text("[noise]\npasses = [\"fp16\"]", "[speed]", model="org/not-cached")))
+
+
 def test_a_corpus_too_short_for_the_chunks_is_refused_before_any_engine(write, tmp_path: Path):
     (tmp_path / "c.txt").write_text("x" * 10_000)
     limits = "[probabilities.limits]\nmax_mean_kl = 0.1"

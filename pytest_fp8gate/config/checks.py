@@ -13,6 +13,7 @@ import difflib
 import math
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Callable, Collection
 
 from .. import checkpoint
@@ -363,10 +364,11 @@ def _external_noise(config: GateConfig, error: ConfigErrorAt) -> None:
 
 
 def _float16_refused(config: GateConfig, model_configs: Mapping[str, dict[str, Any]], error: ConfigErrorAt) -> None:
-    """vLLM refuses float16 for some architectures at engine start; a local checkpoint's model_type says so
-    now: a float16 dtype, or the fp16 noise pass, which restarts the baseline in float16."""
+    """vLLM refuses float16 for some architectures at engine start; the model_type of a local checkpoint, or
+    of a Hugging Face model in the local cache, says so now: a float16 dtype, or the fp16 noise pass, which
+    restarts the baseline in float16."""
     for where, spec in _models(config).items():
-        local = model_configs.get(spec.model, {})
+        local = model_configs.get(spec.model) or _cached_config(spec)
         kind = next((kind for kind in (local.get("model_type"), checkpoint.text_config(local).get("model_type"))
                      if kind in FLOAT16_REFUSED), None)
         if kind is None:
@@ -378,6 +380,19 @@ def _float16_refused(config: GateConfig, model_configs: Mapping[str, dict[str, A
         if where == "baseline" and FP16_PASS in config.noise.passes:
             raise error("noise.passes", f'"{FP16_PASS}" restarts the baseline in float16, {refusal}; use "fp32" '
                                         'or "batch-order"')
+
+
+def _cached_config(spec: ModelSpec) -> dict[str, Any]:
+    """A Hugging Face model's config.json where the local cache holds it (the one vLLM would read), else {}."""
+    if Path(spec.model).is_absolute():
+        return {}
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(spec.model, "config.json", revision=spec.engine.get("revision"))
+    try:
+        return checkpoint.read_json(Path(cached)) if isinstance(cached, str) else {}
+    except RooflineError:  # a broken cache entry: the engine's download or load will say what is wrong
+        return {}
 
 
 def _speed_models(config: GateConfig, error: ConfigErrorAt) -> None:
