@@ -65,8 +65,9 @@ def make_checkpoint() -> Callable[..., Path]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Each engine test starts engines that take the whole machine: on pytest-xdist's workers
-    # (scripts/test, --dist loadgroup) they share one worker and run one at a time.
+    # On pytest-xdist's workers (scripts/test, --dist loadgroup) a test file runs on one worker, so its
+    # module-scoped fixtures (written checkpoints, judged fake gates) are built once; the engine tests,
+    # each taking the whole machine, share one worker and run one at a time.
     for item in items:
-        if item.get_closest_marker("engine"):
-            item.add_marker(pytest.mark.xdist_group("engine"))
+        group = "engine" if item.get_closest_marker("engine") else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
