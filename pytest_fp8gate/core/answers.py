@@ -325,13 +325,13 @@ def drop_power(fails_from: FailsFrom, questions: int, discordant_rate: float, dr
     wrong_to_right = discordant_rate / 2
     right_to_wrong = wrong_to_right + drop
     total = right_to_wrong + wrong_to_right
-    if not (0.0 <= wrong_to_right and drop >= 0 and total <= 1.0) or questions <= 0:
+    if not (0.0 <= wrong_to_right and drop >= 0 and total <= 1.0 + 1e-9) or questions <= 0:
         raise ValueError(f"rates must be fractions summing to at most 1, got {right_to_wrong} and {wrong_to_right}")
     if total == 0:
         return 0.0
     share = right_to_wrong / total
     power = 0.0
-    discordant_pmf = _binomial_pmf(questions, total)
+    discordant_pmf = _binomial_pmf(questions, min(total, 1.0))  # the sum of rates may round past 1
     for d in np.flatnonzero(discordant_pmf > 1e-12):
         first = fails_from(int(d))
         if first <= d:
