@@ -75,11 +75,15 @@ def test_the_rule_weighs_both_counts_uncertainty() -> None:
     assert widened.passed and widened.bound_by == "noise floor"
 
 
-def test_samples_without_finish_reasons_are_refused_by_name(gate: Gate) -> None:
-    samples = Path(gate.measurements.candidate("good").main.samples["echo"])
-    rows = [json.loads(line) for line in samples.read_text().splitlines()]
-    samples.write_text("".join(json.dumps({k: v for k, v in row.items() if k != FINISH_REASON}) + "\n"
-                               for row in rows))
+def test_samples_without_finish_reasons_are_refused_by_name(gate: Gate, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stripped copy in the candidate's place, for this test only: the module's other tests read the samples.
+    samples = gate.measurements.candidate("good").main.samples
+    rows = [json.loads(line) for line in Path(samples["echo"]).read_text().splitlines()]
+    stripped = tmp_path / "samples_echo.jsonl"
+    stripped.write_text("".join(json.dumps({k: v for k, v in row.items() if k != FINISH_REASON}) + "\n"
+                                for row in rows))
+    monkeypatch.setitem(samples, "echo", stripped)
     fresh = Gate(gate.config, gate.measurements)
     with pytest.raises(GateError, match=r"candidate good on echo: cannot count answers cut by length: .*"
                                         r"'finish_reason' field"):
