@@ -117,7 +117,8 @@ def test_a_served_baseline_cannot_have_its_weights_rounded(tmp_path: Path):
                     '[[candidates]]\nname = "fp8"\nendpoint = "http://localhost:8001"\nserved_model_name = "m"\n'
                     '[probabilities]\n[probabilities.limits]\nreference = "q8_0"\n')
     with pytest.raises(ConfigError, match="probabilities.limits.reference: a reference build is written from "
-                                          "the baseline's weights"):
+                                          "the baseline's weights and served as the baseline is; the baseline "
+                                          "here is an endpoint"):
         load_config(path)
 
 

@@ -428,11 +428,12 @@ class _Parser:
             limits=ProbabilityLimits(**limits.values(ProbabilityLimits, schema.PROBABILITY_LIMIT_CHECKS)),
             **values,
         )
-        if spec.measured_references and models[0].served is not None:
+        served = models[0].served
+        if spec.measured_references and served is not None and not served.managed:
             where = limits.key("reference") if "reference" in limits.raw else table.key("references")
-            raise self.error(where, "a reference build is written from the baseline's weights and measured "
-                                    "in-process; the baseline here is served: give its limits as values, or gate "
-                                    "with the baseline's model in-process")
+            raise self.error(where, "a reference build is written from the baseline's weights and served as the "
+                                    "baseline is; the baseline here is an endpoint the gate does not start: give "
+                                    "its limits as values, or name it by its serve line or its model")
         if isinstance(spec.corpus, FileCorpus):
             self.corpus_holds_the_chunks(table.key("chunks"), spec.corpus.path, spec.chunks, spec.chunk_tokens)
         return spec

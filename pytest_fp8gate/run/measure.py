@@ -354,6 +354,9 @@ class Measurements:
                 except ValueError as err:  # no safetensors weights to round
                     raise MeasurementError(f"reference {name}: {err}") from None
             reference = dataclasses.replace(spec, name=f"{spec.name}-{label}", model=str(build))
+            if spec.served is not None:  # a managed server: the same serve line on the build
+                command = ("serve", str(build), *spec.served.command[2:])
+                reference = dataclasses.replace(reference, served=dataclasses.replace(spec.served, command=command))
             with self._running(reference, reference.name) as engine:
                 # Among the baseline's artifacts, which the baseline cache keeps together.
                 return self._passes(engine, reference, Needs(probabilities=True), label, record, folder=spec.name)
