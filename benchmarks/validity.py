@@ -49,6 +49,7 @@ from pytest_fp8gate.core.answers import (
     compare_answers,
     detectable_flip_rate,
     flip_rule_power,
+    pooled_floor,
 )
 from pytest_fp8gate.core.buckets import chunk_positions
 from pytest_fp8gate.core.dumps import read_lm_eval_samples
@@ -152,12 +153,12 @@ def judge(name: str, group: str, base: Measured, cand: Measured, floors: list[Me
                                                     k=task.accuracy_se)
     verdicts["paired_accuracy"] = rules.paired_accuracy_within(answers.right_to_wrong, answers.wrong_to_right, n,
                                                                margin=task.accuracy_margin, alpha=task.accuracy_alpha)
-    floor_flips = sum(count_flips(base, f) for f in floors)
+    floor_flips, passes, _ = pooled_floor([count_flips(base, f) for f in floors])  # as the gate pools them
     for key, rule_name in (("flips", rules.FLIP_RATIO), ("flips_binomial", rules.FLIP_BINOMIAL)):
         verdicts[key] = rules.flips_within_noise_floor(flips, floor_flips, n, ratio=task.flips_ratio,
                                                        min_allowance_fraction=task.min_flip_allowance,
                                                        rule=rule_name, alpha=task.flip_alpha,
-                                                       floor_passes=len(floors))
+                                                       floor_passes=passes)
     floor_kl = max(c.mean_kl for c in floor_comparisons.values())
     floor_disagreement = max(1 - c.same_top for c in floor_comparisons.values())
     return Figures(name, group, comparison, answers.accuracy_cand, flips, verdicts,
@@ -396,7 +397,7 @@ def main() -> None:
 
     labels = ["batch-order", *config.noise.precision_passes]  # measure_all's floors, in its order
     floor_comparisons = [by_chunk(base.run, f.run, config) for f in floors]
-    floor_flips = sum(count_flips(base, f) for f in floors)
+    floor_flips, passes, _ = pooled_floor([count_flips(base, f) for f in floors])
     nulls = [f for f in figures if f.group == "null"]
     regressions = [f for f in figures if f.group == "regression"]
     model = "Embedded model" if args.model == "tiny" else "SmolLM2-135M-Instruct"
@@ -406,7 +407,8 @@ def main() -> None:
                                       for label, c in zip(labels, floor_comparisons))
           + f"; floor flips {floor_flips} ("
           + ", ".join(f"{label} {count_flips(base, f)}" for label, f in zip(labels, floors))
-          + "; the gate sums them over the passes)")
+          + (f"; the gate sums them over the {passes} passes)" if passes > 1
+             else "; they differ beyond chance, so the gate takes the worst)"))
     print_candidates("Table 1. Null candidates (equally valid BF16 builds)", nulls)
     print_rates("False alarms", nulls)
     print_candidates("Table 2. Graded regressions (and the fp8_per_channel reference)",
@@ -423,7 +425,7 @@ def main() -> None:
         print_reference_factors(figures, floor_comparisons, (reference, references[reference]), config)
     null_rate = float(np.mean([f.flips for f in nulls])) / questions
     kl_limit = configured_limit(rules.BY_NAME["mean_kl"], config, references)
-    print_resolution(figures, floor_comparisons, floor_flips / (questions * len(floors)), null_rate, questions,
+    print_resolution(figures, floor_comparisons, floor_flips / (questions * passes), null_rate, questions,
                      config, kl_limit)
 
 
