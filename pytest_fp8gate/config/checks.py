@@ -145,14 +145,19 @@ def full_vocab(value: Any) -> bool | str:
 
 
 def noise_passes(value: Any) -> list[str]:
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"expected a non-empty array of noise passes ({', '.join(map(repr, NOISE_PASSES))}), "
-                         f"got {show(value)}")
-    check = text(NOISE_PASSES)
-    passes = [check(item) for item in value]
-    if len(set(passes)) != len(passes):
-        raise ValueError(f"expected each pass at most once, got {passes}")
-    return passes
+    return _distinct_names(value, NOISE_PASSES, "a non-empty array of noise passes", "pass", allow_empty=False)
+
+
+def _distinct_names(value: Any, choices: tuple[str, ...], expected: str, each: str, allow_empty: bool = True
+                    ) -> list[str]:
+    """An array of names from ``choices``, each at most once; ``expected`` and ``each`` word the refusals."""
+    if not isinstance(value, list) or (not value and not allow_empty):
+        raise ValueError(f"expected {expected} ({', '.join(map(repr, choices))}), got {show(value)}")
+    check = text(choices)
+    names = [check(item) for item in value]
+    if len(set(names)) != len(names):
+        raise ValueError(f"expected each {each} at most once, got {names}")
+    return names
 
 
 MAX_MODEL_LEN = "max_model_len"  # chunk_tokens: chunks as long as the models' context allows (issue 34)
@@ -218,14 +223,7 @@ def reference_ratio(value: Any) -> dict[str, float]:
 
 
 def references(value: Any) -> list[str]:
-    if not isinstance(value, list):
-        raise ValueError(f"expected an array of reference builds ({', '.join(map(repr, REFERENCES))}), "
-                         f"got {show(value)}")
-    check = text(REFERENCES)
-    names = [check(item) for item in value]
-    if len(set(names)) != len(names):
-        raise ValueError(f"expected each reference at most once, got {names}")
-    return names
+    return _distinct_names(value, REFERENCES, "an array of reference builds", "reference")
 
 
 def floor_ratio(value: Any) -> float | dict[str, float]:
