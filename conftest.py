@@ -13,6 +13,15 @@ from typing import Callable
 
 import pytest
 
+# The gate's pytest side loaded once in this outer process: pytester's in-process runs unload every module
+# first imported inside them, so a module imported afresh by a later run would hold other classes and stash
+# keys (collect's ThresholdsFile, session's STATE_KEY) than the modules an earlier test kept.
+import pytest_fp8gate.face.collect  # noqa: F401
+import pytest_fp8gate.face.refusals  # noqa: F401
+import pytest_fp8gate.face.report_hooks  # noqa: F401
+import pytest_fp8gate.face.selection  # noqa: F401
+import pytest_fp8gate.face.session  # noqa: F401
+import pytest_fp8gate.face.suite  # noqa: F401
 from pytest_fp8gate import hardware
 
 pytest_plugins = ["pytester"]
