@@ -283,8 +283,8 @@ def _add_init(subparsers: Any) -> None:
         help="Write a commented thresholds file to start from",
         description="Write a thresholds file for MODEL that the loader reads as written: the baseline, the "
         "candidates (default: vLLM's online fp8_per_channel of the same weights), the noise passes for the "
-        "device, llama.cpp's Q8_0 figures as probability limits, GSM8K, and on a GPU the speed table with "
-        "each model's roofline as comments where its config is on this machine.",
+        "device, probability limits as factors over the model's own Q8_0 round trip, GSM8K, and on a GPU the "
+        "speed table with each model's roofline as comments where its config is on this machine.",
     )
     parser.add_argument("model", metavar="MODEL", help="The BF16 baseline: a Hugging Face id or a checkpoint directory")
     parser.add_argument("--candidate", action="append", default=[], metavar="NAME",
@@ -348,9 +348,15 @@ def _run_plant(args: argparse.Namespace) -> int:
     from .demo.embedded import embedded_assets
     from .demo.planting import plant
 
+    return _print_written(lambda: plant(args.kind, embedded_assets().model, args.out_dir))
+
+
+def _print_written(write: Callable[[], Path]) -> int:
+    """Write a checkpoint and print its directory; a refusal (a wrong kind, no weights, a path it must not
+    replace) is one error line."""
     try:
-        path = plant(args.kind, embedded_assets().model, args.out_dir)
-    except ValueError as err:
+        path = write()
+    except (ValueError, OSError) as err:
         raise CommandError(str(err)) from err
     print(path.resolve())
     return 0
@@ -378,12 +384,7 @@ def _run_build(args: argparse.Namespace) -> int:
     from ..checkpoint import weights_dir
     from ..run.reference_builds import write_build
 
-    try:
-        path = write_build(args.kind, weights_dir(args.model), args.out_dir)
-    except (ValueError, OSError) as err:
-        raise CommandError(str(err)) from err
-    print(path.resolve())
-    return 0
+    return _print_written(lambda: write_build(args.kind, weights_dir(args.model), args.out_dir))
 
 
 def _add_quantize(subparsers: Any) -> None:
