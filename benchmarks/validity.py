@@ -2,6 +2,7 @@
 
 Run: HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 flock /tmp/fp8gate-engine.lock \
        .venv/bin/python benchmarks/validity.py [--model tiny|smollm2] [--questions N] [--nulls N] [--chunks N] [--cuda]
+       [--first-null K --nulls-only]
 
 One baseline engine (the embedded BF16 model, or with ``--model smollm2`` SmolLM2-135M-Instruct
 and its demo's thresholds, with the demo's engine settings, engine
@@ -19,7 +20,13 @@ Every other candidate is one engine start.
 - Graded regressions: the `mild` plant's stretched per-tensor FP8 scale at four
   stretches, and Gaussian weight noise (which reproduces flips, Dutta et al.) at four
   sizes relative to each matrix's RMS.
+- Faults a deploy meets (tools/demo/deploy_faults.py): one layer cast with no scale, and an FP8 KV
+  cache at scale 1.0 on keys and values past E4M3's range.
 - vLLM's online fp8_per_channel as the reference FP8 build.
+
+``--first-null K --nulls-only`` measures only the re-rounded nulls K, K+1, ..., with their own
+baseline and floors: shards of one study that run side by side (on one GPU, each engine takes
+a fifth of its memory) and whose null counts add up.
 
 Every candidate is judged with the gate's own rule functions and the demo's limits.
 Resolution: flips analytically (both counts binomial, rules' exact allowance), KL by
@@ -60,6 +67,7 @@ from pytest_fp8gate.run.corpus import chunk_corpus
 from pytest_fp8gate.run.lm_adapter import run_task, task_manager
 from pytest_fp8gate.run.measure import BATCH_ORDER
 from pytest_fp8gate.run.reference_builds import bf16_reround, write_build, write_transformed
+from pytest_fp8gate.tools.demo.deploy_faults import DEPLOY_FAULTS
 from pytest_fp8gate.tools.demo.planting import Recipe, fp8_round_trip, is_projection, plant
 from pytest_fp8gate.tools.demo.run import DEMO_MODELS, toml_text
 
@@ -313,9 +321,10 @@ def print_resolution(figures: list[Figures], floors: list[LogprobComparison], fl
         print(f"  {chunks * scale:>4} chunks{' (this run)' if scale == 1 else ''}: caught from {ratio:.1f} x the floor")
 
 
-def measure_all(config: GateConfig, nulls: int, severities: int, scratch: Path
+def measure_all(config: GateConfig, nulls: range, severities: int, scratch: Path, nulls_only: bool = False
                 ) -> tuple[Measured, list[Measured], dict[str, LogprobComparison], list[Figures]]:
-    """The baseline, its noise passes, its reference builds, and every candidate judged against them."""
+    """The baseline, its noise passes, its reference builds, and every candidate judged against them
+    (``nulls_only``: the re-rounded nulls of the seeds in ``nulls`` and nothing else)."""
     baseline = config.baseline
     orders = {"batch-order": BATCH_ORDER, **ORDERS}
     manager = task_manager(config.tasks)  # lm-eval indexes the task directory once, as the gate does
@@ -331,14 +340,16 @@ def measure_all(config: GateConfig, nulls: int, severities: int, scratch: Path
         run = run_engine(replace(baseline, name=f"reference-{name}", model=str(written)), config, manager, {}, scratch)
         references[name] = by_chunk(base.run, run["main"].run, config)
     builds: list[tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]] = [
-        *((f"bf16-reround-{seed}", "null", bf16_reround(seed)) for seed in range(1, nulls + 1)),
-        *((f"stretch-{s:g}", "regression", stretched(s)) for s in STRETCHES[:severities]),
-        *((f"gauss-{size:g}", "regression", gaussian(size)) for size in NOISE_SIZES[:severities]),
+        *((f"bf16-reround-{seed}", "null", bf16_reround(seed)) for seed in nulls),
+        *((f"stretch-{s:g}", "regression", stretched(s)) for s in STRETCHES[:severities] if not nulls_only),
+        *((f"gauss-{size:g}", "regression", gaussian(size)) for size in NOISE_SIZES[:severities] if not nulls_only),
     ]
-    figures = [judge(label, "null", base, base_passes[label], floors, references, config) for label in ORDERS]
-    figures.append(judge("fp8_per_channel", "reference", base,
-                         run_engine(replace(baseline, name="fp8", quantization="fp8_per_channel"), config, manager,
-                                    {}, scratch)["main"], floors, references, config))
+    figures = [] if nulls_only else [judge(label, "null", base, base_passes[label], floors, references, config)
+                                     for label in ORDERS]
+    if not nulls_only:
+        figures.append(judge("fp8_per_channel", "reference", base,
+                             run_engine(replace(baseline, name="fp8", quantization="fp8_per_channel"), config,
+                                        manager, {}, scratch)["main"], floors, references, config))
     for name, group, transform in builds:
         out = scratch / "builds" / name
         out.mkdir(parents=True)
@@ -348,11 +359,18 @@ def measure_all(config: GateConfig, nulls: int, severities: int, scratch: Path
         measured = run_engine(replace(baseline, name=name, model=str(out)), config, manager, {}, scratch)["main"]
         figures.append(judge(name, group, base, measured, floors, references, config))
         print(f"measured {name}", file=sys.stderr, flush=True)
-    for kind in PLANTS:  # the demo's planted regressions, which every default must catch
+    for kind in () if nulls_only else PLANTS:  # the demo's planted regressions, which every default must catch
         written = plant(kind, Path(baseline.model), scratch / "plants" / kind)
         measured = run_engine(replace(baseline, name=f"planted-{kind}", model=str(written)), config, manager, {},
                               scratch)["main"]
         figures.append(judge(f"planted-{kind}", "regression", base, measured, floors, references, config))
+    for kind, fault in {} if nulls_only else DEPLOY_FAULTS.items():
+        out = scratch / "faults" / kind
+        out.mkdir(parents=True)
+        fault.write(Path(baseline.model), out)
+        candidate = replace(baseline, name=kind, model=str(out), engine={**baseline.engine, **fault.engine})
+        figures.append(judge(kind, "regression", base, run_engine(candidate, config, manager, {}, scratch)["main"],
+                             floors, references, config))
     return base, floors, references, figures
 
 
@@ -368,6 +386,8 @@ def study_config(model: str, scratch: Path, cuda: bool) -> GateConfig:
         source = smollm2_checkpoint()
     document = demo_config({}, cuda=cuda, model=source)
     document["baseline"]["engine"]["enforce_eager"] = True
+    if cuda:  # room for a study's shards side by side on one GPU (each engine's KV cache is set apart)
+        document["baseline"]["engine"]["gpu_memory_utilization"] = 0.18
     path = scratch / "thresholds.toml"
     path.write_text(toml_text(document), encoding="utf-8")
     return load_config(path)
@@ -378,6 +398,9 @@ def main() -> None:
     parser.add_argument("--model", choices=DEMO_MODELS, default="tiny", help="the demo model and its thresholds")
     parser.add_argument("--questions", type=int, default=None, help="default: the demo task's limit")
     parser.add_argument("--nulls", type=int, default=30, help="re-rounded BF16 builds (plus 2 order changes)")
+    parser.add_argument("--first-null", type=int, default=1, help="the first null's seed (a shard's share)")
+    parser.add_argument("--nulls-only", action="store_true",
+                        help="measure the re-rounded nulls alone (a shard beside a full run)")
     parser.add_argument("--chunks", type=int, default=None, help="corpus chunks (default: the demo's)")
     parser.add_argument("--severities", type=int, default=len(STRETCHES), help="graded strengths per kind")
     parser.add_argument("--cuda", action="store_true", help="run on a CUDA GPU with the demo's --cuda settings")
@@ -393,7 +416,8 @@ def main() -> None:
         questions = args.questions or config.tasks[0].limit
         config = replace(config, tasks=[replace(config.tasks[0], limit=questions)])
         VllmEngine.prepare_process(config.deterministic_scheduling)
-        base, floors, references, figures = measure_all(config, args.nulls, args.severities, Path(temp))
+        seeds = range(args.first_null, args.first_null + args.nulls)
+        base, floors, references, figures = measure_all(config, seeds, args.severities, Path(temp), args.nulls_only)
 
     labels = ["batch-order", *config.noise.precision_passes]  # measure_all's floors, in its order
     floor_comparisons = [by_chunk(base.run, f.run, config) for f in floors]
@@ -411,11 +435,12 @@ def main() -> None:
              else "; they differ beyond chance, so the gate takes the worst)"))
     print_candidates("Table 1. Null candidates (equally valid BF16 builds)", nulls)
     print_rates("False alarms", nulls)
-    print_candidates("Table 2. Graded regressions (and the fp8_per_channel reference)",
-                     [f for f in figures if f.group == "reference"] + regressions)
-    print_rates("Detections", regressions)
-    for f in regressions:
-        print(f"  {f.name}: first rule to catch it: {f.failed[0] if f.failed else 'none'}")
+    if regressions:  # a --nulls-only shard has none
+        print_candidates("Table 2. Graded regressions, deploy faults and plants (and the fp8_per_channel reference)",
+                         [f for f in figures if f.group == "reference"] + regressions)
+        print_rates("Detections", regressions)
+        for f in regressions:
+            print(f"  {f.name}: first rule to catch it: {f.failed[0] if f.failed else 'none'}")
     for name, comparison in references.items():
         print(f"Reference {name} on this model: KL {comparison.mean_kl:.3g} ± {comparison.kl_se:.2g} (clustered; "
               f"iid {comparison.kl_se_iid:.2g}), same top {comparison.same_top:.4%} ± {comparison.same_top_se:.2%} "
