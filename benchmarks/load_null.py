@@ -1,6 +1,7 @@
 """The load rule's null: one served model measured several times at each level, and each round's output
 tok/s as a fraction of the first round's. A candidate no slower than its baseline lands within this
-spread, so ``[load] min_throughput_fraction`` must sit below it (docs/why-defaults.md, "The basis of min_throughput_fraction").
+spread, so ``[load] min_throughput_fraction`` must sit below it (docs/why-defaults.md, "The basis of
+min_throughput_fraction").
 
 One ``vllm serve`` of the model, every round on it (each round its own prompts, so the prefix cache
 serves none of them twice). On CPU, under the engine lock:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pytest_fp8gate.config import schema, spec
+from pytest_fp8gate.config.loader import tomllib
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 REFERENCE = DOCS / "thresholds.md"
