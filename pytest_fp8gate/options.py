@@ -36,6 +36,8 @@ class Settings:
     config_source: str | None = None  # SOURCE_*; None without a file
     request_deadline_s: float | None = None  # every served model's, over the thresholds file's; None: the file's
     compile_cache: Path | None = None  # absolute; vLLM's cache root for every engine and server; None: vLLM's own
+    candidates: tuple[str, ...] = ()  # --fp8gate-candidate: the candidates judged; (): every one in the file
+    baseline_only: bool = False  # measure or restore the baseline, judge no candidate
 
     @property
     def config_explicit(self) -> bool:
@@ -51,6 +53,9 @@ def read_settings(config: pytest.Config) -> Settings:
     if update_baseline and baseline_cache is None:
         raise pytest.UsageError("--fp8gate-update-baseline needs a cache: --fp8gate-baseline-cache DIR "
                                 "(or the fp8gate_baseline_cache ini key)")
+    if config.getoption("fp8gate_baseline_only") and baseline_cache is None:
+        raise pytest.UsageError("--fp8gate-baseline-only needs a cache to keep the baseline in: "
+                                "--fp8gate-baseline-cache DIR (or the fp8gate_baseline_cache ini key)")
     if baseline_cache is not None and baseline_cache.exists() and not baseline_cache.is_dir():
         raise pytest.UsageError(f"--fp8gate-baseline-cache {display_path(baseline_cache)}: not a directory")
     compile_cache = _compile_cache(config, baseline_cache)
@@ -76,7 +81,14 @@ def read_settings(config: pytest.Config) -> Settings:
         config_source=source,
         request_deadline_s=_seconds_option(config, "fp8gate_request_deadline", "--fp8gate-request-deadline"),
         compile_cache=compile_cache,
+        candidates=_names_option(config.getoption("fp8gate_candidate")),
+        baseline_only=bool(config.getoption("fp8gate_baseline_only")),
     )
+
+
+def _names_option(given: list[str]) -> tuple[str, ...]:
+    """Names given as repeated options or comma lists, in order, once each."""
+    return tuple(dict.fromkeys(name.strip() for value in given for name in value.split(",") if name.strip()))
 
 
 def _compile_cache(config: pytest.Config, baseline_cache: Path | None) -> Path | None:

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 _GATE_PLUGIN = "fp8gate-gate"  # the hooks registered once the gate is asked for
 _INI_KEYS = ("fp8gate_config", "fp8gate_require_gpu", "fp8gate_artifacts", "fp8gate_baseline_cache", "fp8gate_report",
              "fp8gate_allow_no_rules", "fp8gate_compile_cache")
-_OPTION_DESTS = (*_INI_KEYS, "fp8gate_update_baseline", "fp8gate_request_deadline")
+_OPTION_DESTS = (*_INI_KEYS, "fp8gate_update_baseline", "fp8gate_request_deadline", "fp8gate_candidate",
+                 "fp8gate_baseline_only")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -55,6 +56,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="DIR",
         help="vLLM's cache root (VLLM_CACHE_ROOT: its torch.compile cache) for every engine and server the gate "
         "starts, so a later run skips compiling (default: vllm-cache in the baseline cache, when one is given)",
+    )
+    group.addoption(
+        "--fp8gate-candidate",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="Judge only this candidate of the thresholds file (repeatable, or a comma list); the baseline is "
+        "measured or restored as for the whole file",
+    )
+    group.addoption(
+        "--fp8gate-baseline-only",
+        action="store_true",
+        help="Measure (or restore) the baseline into the baseline cache and judge no candidate: each rule test "
+        "is skipped once the baseline is there (a CI matrix's first job)",
     )
     group.addoption(
         "--fp8gate-update-baseline",
@@ -117,6 +132,15 @@ def pytest_configure(config: pytest.Config) -> None:
             from .config.spec import with_request_deadline
 
             gate = with_request_deadline(gate, settings.request_deadline_s)
+        if settings.candidates:
+            from .config.spec import with_candidates
+
+            try:
+                gate = with_candidates(gate, settings.candidates)
+            except ValueError as err:
+                known = ", ".join(spec.name for spec in gate.candidates)
+                raise pytest.UsageError(f"--fp8gate-candidate {err}: not a candidate of "
+                                        f"{options.display_path(gate.path)} (its candidates: {known})") from None
         state.config = gate
         refusals.check_not_distributed(config)
     refusals.check_toml_args(config, settings.config_path)

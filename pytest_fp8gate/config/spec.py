@@ -335,3 +335,12 @@ def with_request_deadline(config: GateConfig, seconds: float) -> GateConfig:
         return spec if spec.served is None else replace(spec, served=replace(spec.served, request_deadline_s=seconds))
 
     return replace(config, baseline=one(config.baseline), candidates=tuple(one(c) for c in config.candidates))
+
+
+def with_candidates(config: GateConfig, names: tuple[str, ...]) -> GateConfig:
+    """``config`` judging only the candidates ``names`` (--fp8gate-candidate), in the file's order; a name the
+    file lacks is a ValueError naming it."""
+    unknown = [name for name in names if name not in {spec.name for spec in config.candidates}]
+    if unknown:
+        raise ValueError(", ".join(unknown))
+    return replace(config, candidates=tuple(spec for spec in config.candidates if spec.name in names))

@@ -53,6 +53,10 @@ class RunState:
             lines = [f"fp8gate: no thresholds file (--fp8gate-config, or {DEFAULT_CONFIG_NAME} in rootdir)"]
         else:
             candidates = ", ".join(spec.name for spec in gate.candidates)
+            if settings.baseline_only:
+                candidates += " (--fp8gate-baseline-only: none judged)"
+            elif settings.candidates:
+                candidates += " (selected by --fp8gate-candidate)"
             lines = [f"fp8gate: {display_path(gate.path)}: {gate.baseline.name} vs {candidates}"]
             speed = gate.speed
             if speed is not None and speed.bandwidth_gbps:
@@ -112,15 +116,21 @@ class GateSession:
             return self.gate.evaluate(case)
 
     def enforce(self, case: Case, item: pytest.Item) -> None:
-        """Evaluate a rule case; record it; fail the test with its explanation."""
+        """Evaluate a rule case; record it; fail the test with its explanation. With --fp8gate-baseline-only,
+        measure or restore the baseline and skip."""
+        baseline_only = self.state.settings.baseline_only
         try:
-            verdict = self.evaluate(case)
+            verdict = None if baseline_only else self.evaluate(case)
+            origin = self.measurements.record().origin if baseline_only else None
         except Fp8GateError as err:  # every error of the gate's own says what is wrong in one line
             reason: str | None = str(err)
         else:
             reason = None
         if reason is not None:  # failed outside the except block, so no "During handling" chain is shown
             pytest.fail(reason, pytrace=False)
+        if verdict is None:
+            pytest.skip(f"--fp8gate-baseline-only: the baseline is {origin}; candidate {case.candidate} is judged "
+                        "by a run without that option")
         item.stash[VERDICT_KEY] = verdict
         self.state.verdicts.append(verdict)
         if not verdict.passed:
