@@ -38,6 +38,7 @@ class Settings:
     compile_cache: Path | None = None  # absolute; vLLM's cache root for every engine and server; None: vLLM's own
     candidates: tuple[str, ...] = ()  # --fp8gate-candidate: the candidates judged; (): every one in the file
     baseline_only: bool = False  # measure or restore the baseline, judge no candidate
+    cache_wait_s: float | None = None  # for another run measuring the same baseline entry; None: the cache's default
 
     @property
     def config_explicit(self) -> bool:
@@ -83,12 +84,21 @@ def read_settings(config: pytest.Config) -> Settings:
         compile_cache=compile_cache,
         candidates=_names_option(config.getoption("fp8gate_candidate")),
         baseline_only=bool(config.getoption("fp8gate_baseline_only")),
+        cache_wait_s=_cache_wait(config),
     )
 
 
 def _names_option(given: list[str]) -> tuple[str, ...]:
     """Names given as repeated options or comma lists, in order, once each."""
     return tuple(dict.fromkeys(name.strip() for value in given for name in value.split(",") if name.strip()))
+
+
+def _cache_wait(config: pytest.Config) -> float | None:
+    """--fp8gate-cache-wait, else the ini key: seconds, 0 (do not wait) or more."""
+    if config.getoption("fp8gate_cache_wait") is not None:
+        return _seconds_option(config, "fp8gate_cache_wait", "--fp8gate-cache-wait", zero=True)
+    given = config.getini("fp8gate_cache_wait")
+    return _seconds(given, "the fp8gate_cache_wait ini key", zero=True) if given else None
 
 
 def _compile_cache(config: pytest.Config, baseline_cache: Path | None) -> Path | None:
@@ -102,16 +112,20 @@ def _compile_cache(config: pytest.Config, baseline_cache: Path | None) -> Path |
     return given
 
 
-def _seconds_option(config: pytest.Config, name: str, flag: str) -> float | None:
+def _seconds_option(config: pytest.Config, name: str, flag: str, zero: bool = False) -> float | None:
     given = config.getoption(name)
-    if given is None:
-        return None
+    return None if given is None else _seconds(given, flag, zero)
+
+
+def _seconds(given: str, flag: str, zero: bool) -> float:
+    """``given`` as seconds above 0 (or 0 too, where ``zero``), else one usage error naming ``flag``."""
     try:
         seconds = float(given)
     except ValueError:
         seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise pytest.UsageError(f"{flag} {given}: expected a number of seconds above 0")
+    if not (seconds >= 0 if zero else seconds > 0) or seconds == float("inf"):
+        bound = " of 0 or more" if zero else " above 0"
+        raise pytest.UsageError(f"{flag} {given}: expected a number of seconds{bound}")
     return seconds
 
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 _GATE_PLUGIN = "fp8gate-gate"  # the hooks registered once the gate is asked for
 _INI_KEYS = ("fp8gate_config", "fp8gate_require_gpu", "fp8gate_artifacts", "fp8gate_baseline_cache", "fp8gate_report",
-             "fp8gate_allow_no_rules", "fp8gate_compile_cache")
+             "fp8gate_allow_no_rules", "fp8gate_compile_cache", "fp8gate_cache_wait")
 _OPTION_DESTS = (*_INI_KEYS, "fp8gate_update_baseline", "fp8gate_request_deadline", "fp8gate_candidate",
                  "fp8gate_baseline_only")
 
@@ -72,6 +72,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "is skipped once the baseline is there (a CI matrix's first job)",
     )
     group.addoption(
+        "--fp8gate-cache-wait",
+        metavar="SECONDS",
+        help="How long to wait for another run that is measuring the same baseline into the baseline cache, then "
+        "restore its entry (default 7200; 0: measure this run's own at once, leaving the entry to that run)",
+    )
+    group.addoption(
         "--fp8gate-update-baseline",
         action="store_true",
         help="Measure the baseline again and replace its entry in the baseline cache",
@@ -98,6 +104,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   "device", type="bool")
     parser.addini("fp8gate_artifacts", "Directory for the gate's run artifacts, relative to the ini file")
     parser.addini("fp8gate_baseline_cache", "Baseline cache directory, relative to the ini file")
+    parser.addini("fp8gate_cache_wait", "Seconds to wait for another run measuring the same baseline into the "
+                  "baseline cache (0: measure this run's own)")
     parser.addini("fp8gate_compile_cache", "vLLM's cache root for the gate's engines, relative to the ini file")
     parser.addini("fp8gate_report", "Markdown report path, relative to the ini file")
     parser.addini("fp8gate_allow_no_rules", "Let a run select none of the thresholds file's rules", type="bool")

@@ -100,9 +100,10 @@ class GateSession:
         settings = self.state.settings
         cache = None
         if settings.baseline_cache is not None:
-            from ..run.baseline_cache import BaselineCache
+            from ..run.baseline_cache import LOCK_WAIT_S, BaselineCache
 
-            cache = BaselineCache(settings.baseline_cache, settings.update_baseline, announce)
+            wait_s = LOCK_WAIT_S if settings.cache_wait_s is None else settings.cache_wait_s
+            cache = BaselineCache(settings.baseline_cache, settings.update_baseline, announce, wait_s)
         self.artifacts = artifacts
         lifecycle.watch(artifacts)
         self.measurements = Measurements(gate_config, artifacts, self.state.needs, announce, cache,

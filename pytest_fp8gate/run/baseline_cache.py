@@ -7,7 +7,9 @@ facts, provenance), ``record.json`` (what ``Measurements`` restores from them),
 It is built in a staging directory and renamed into place, so a reader sees a
 whole entry or none; one that fails its manifest or key is named and measured
 again, never reused. ``<entry>.lock`` (flock) serialises the runs that want one
-key: the second waits for the first's entry instead of measuring it again.
+key: the second waits for the first's entry instead of measuring it again (or, told
+not to wait, measures its own and leaves the entry to the first); a holder that dies
+releases it, and the run that waited measures afresh.
 """
 
 from __future__ import annotations
@@ -138,25 +140,43 @@ def key_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]
     return sorted(name for name in a.keys() | b.keys() if a.get(name) != b.get(name))
 
 
-def _acquire(handle: Any, lock: Path, wait_s: float, announce: Callable[[str], None]) -> None:
-    """flock ``handle``, polling until ``wait_s`` has passed; then one error naming the holder's pid."""
-    deadline = time.monotonic() + wait_s
-    announced = False
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """What taking an entry's lock cost: the seconds waited and the pid that held it (None: it was free)."""
+
+    seconds: float = 0.0
+    holder: str | None = None
+
+    def __str__(self) -> str:
+        return f"waited {self.seconds:.1f} s for pid {self.holder}, which was measuring this baseline"
+
+
+def _holder(handle: Any) -> str:
+    handle.seek(0)
+    return handle.read().strip() or "unknown"
+
+
+def _acquire(handle: Any, lock: Path, wait_s: float, announce: Callable[[str], None]) -> Wait | None:
+    """flock ``handle``, polling until ``wait_s`` has passed, then one error naming the holder's pid; with
+    ``wait_s`` 0, None when another run holds it. The holder's death releases it (the kernel drops its flock)."""
+    started = time.monotonic()
+    holder = None
     while True:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            return Wait(time.monotonic() - started, holder) if holder is not None else Wait()
         except BlockingIOError:
             pass
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
-        if time.monotonic() >= deadline:
-            raise CacheEntryError(f"{lock}: still held after {wait_s:g} s by pid {holder}, a run measuring this "
-                                  f"baseline; if that process is stuck, stop it (kill {holder}) and run again")
-        if not announced:
+        if not wait_s:
+            return None
+        if holder is None:
+            holder = _holder(handle)
             announce(f"fp8gate: waiting for {lock.name} (held by pid {holder}): another run is measuring "
                      f"this baseline; waiting up to {wait_s:g} s")
-            announced = True
+        if time.monotonic() - started >= wait_s:
+            holder = _holder(handle)
+            raise CacheEntryError(f"{lock}: still held after {wait_s:g} s by pid {holder}, a run measuring this "
+                                  f"baseline; if that process is stuck, stop it (kill {holder}) and run again")
         time.sleep(LOCK_POLL_S)
 
 
@@ -181,7 +201,16 @@ class BaselineCache:
         answers otherwise now), or None; a reason measures it again and replaces the entry."""
         name = spec.name
         entry = self.entry_path(name, key)
-        with self.locked(entry):
+        with self.locked(entry) as wait:
+            if wait is None:  # another run measures this entry, and this one was told not to wait for it
+                self.announce(f"fp8gate: {entry.name}.lock is held by another run measuring this baseline; "
+                              "--fp8gate-cache-wait 0: measuring this run's own, which that run stores")
+                record = measure()
+                record.origin = "measured in this session, not stored: another run was measuring it into the cache"
+                return record
+            waited = f"; {wait}" if wait.holder else ""
+            if wait.holder:
+                self.announce(f"fp8gate: {wait} ({entry.name}.lock)")
             if self.update:
                 why = "--fp8gate-update-baseline"
             else:
@@ -191,10 +220,13 @@ class BaselineCache:
                     if changed is None:
                         self.announce(f"fp8gate: baseline {name} from the cache: {entry} "
                                       f"(measured {record.measured_at}); no baseline engine started")
+                        record.origin += waited
                         return record
                     why = f"entry not reused: {changed}"
                 except FileNotFoundError:
                     why = self._miss_reason(name, key)
+                    if wait.holder:  # killed or failed mid-measurement: its staging is removed when this stores
+                        why += f"; pid {wait.holder} ended without storing it"
                 except CacheEntryError as err:
                     why = f"entry not reused: {err}"
             self.announce(f"fp8gate: baseline cache miss for {name} ({why}); measuring")
@@ -205,21 +237,25 @@ class BaselineCache:
                 self.announce(f"fp8gate: the baseline was not stored in the cache: {err}")
                 record.origin = f"measured in this session; storing it in the baseline cache failed: {err}"
                 return record
-            record.origin = f"measured in this session and stored in the baseline cache: {entry} ({why})"
+            record.origin = f"measured in this session and stored in the baseline cache: {entry} ({why}{waited})"
             return record
 
     @contextlib.contextmanager
-    def locked(self, entry: Path) -> Iterator[None]:
-        """Hold ``<entry>.lock``; wait at most ``lock_wait_s`` for a run that holds it (its pid is in the file)."""
+    def locked(self, entry: Path) -> Iterator[Wait | None]:
+        """Hold ``<entry>.lock``; wait at most ``lock_wait_s`` for a run that holds it (its pid is in the file).
+        Yields what the wait cost, or None, holding nothing, where ``lock_wait_s`` is 0 and another run holds it."""
         self.root.mkdir(parents=True, exist_ok=True)
         lock = entry.with_name(entry.name + ".lock")
         with open(lock, "a+") as handle:
-            _acquire(handle, lock, self.lock_wait_s, self.announce)
+            wait = _acquire(handle, lock, self.lock_wait_s, self.announce)
+            if wait is None:
+                yield None
+                return
             handle.truncate(0)
             handle.write(f"{os.getpid()}\n")  # for a run that waits: who holds it
             handle.flush()
             try:
-                yield
+                yield wait
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
