@@ -61,3 +61,19 @@ def test_baseline_only_without_a_cache_is_a_usage_error(gate: pytest.Pytester):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: --fp8gate-baseline-only needs a cache to keep the baseline in: "
                                  "--fp8gate-baseline-cache DIR*"])
+
+
+def test_the_ci_matrix_walkthrough_measures_the_baseline_once_for_every_candidate_job(gate: pytest.Pytester):
+    """docs/usage.md's GitHub Actions recipe in sequence on one cache directory (the fake engine stands in for
+    vLLM: the sequencing, not the figures, is under test): the baseline job, then one job per candidate."""
+    cache = ["--fp8gate-baseline-cache", "cache"]
+    jobs = {"baseline": ["--fp8gate-baseline-only"], "good": ["--fp8gate-candidate", "good"],
+            "bad": ["--fp8gate-candidate", "bad"]}
+    outcomes = {"baseline": {"skipped": 10}, "good": {"passed": 5}, "bad": {"failed": 5}}
+    for job, args in jobs.items():
+        engine = fake_engine_class(MODELS)
+        result = gate.runpytest("thresholds.toml", *cache, *args, plugins=[UseEngine(engine)])
+        result.assert_outcomes(**outcomes[job])
+        assert started(engine) == (["bf16", "bf16"] if job == "baseline" else [job]), job
+        if job != "baseline":
+            result.stdout.fnmatch_lines(["fp8gate: baseline bf16 from the cache: *; no baseline engine started"])
