@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from . import DEFAULT_CONFIG_NAME, REQUIRE_GPU_ENV
+from . import DEFAULT_CONFIG_NAME, REQUIRE_GPU_ENV, progress
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -38,6 +38,7 @@ class Settings:
     compile_cache: Path | None = None  # absolute; vLLM's cache root for every engine and server; None: vLLM's own
     candidates: tuple[str, ...] = ()  # --fp8gate-candidate: the candidates judged; (): every one in the file
     baseline_only: bool = False  # measure or restore the baseline, judge no candidate
+    progress_interval_s: float = progress.DEFAULT_INTERVAL_S  # a long pass's progress line every this; 0: none
     cache_wait_s: float | None = None  # for another run measuring the same baseline entry; None: the cache's default
 
     @property
@@ -85,12 +86,18 @@ def read_settings(config: pytest.Config) -> Settings:
         candidates=_names_option(config.getoption("fp8gate_candidate")),
         baseline_only=bool(config.getoption("fp8gate_baseline_only")),
         cache_wait_s=_cache_wait(config),
+        progress_interval_s=_progress_interval(config),
     )
 
 
 def _names_option(given: list[str]) -> tuple[str, ...]:
     """Names given as repeated options or comma lists, in order, once each."""
     return tuple(dict.fromkeys(name.strip() for value in given for name in value.split(",") if name.strip()))
+
+
+def _progress_interval(config: pytest.Config) -> float:
+    given = _seconds_option(config, "fp8gate_progress_interval", "--fp8gate-progress-interval", zero=True)
+    return progress.DEFAULT_INTERVAL_S if given is None else given
 
 
 def _cache_wait(config: pytest.Config) -> float | None:

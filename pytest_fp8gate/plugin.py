@@ -94,6 +94,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="Let a run with a thresholds file select none of its rules (by default that is an error)",
     )
     group.addoption(
+        "--fp8gate-progress-interval",
+        metavar="SECONDS",
+        default=None,
+        help="Print each long pass's progress (how far, rate, time left) every SECONDS; 0 turns it off "
+        "(default: 30)",
+    )
+    group.addoption(
         "--fp8gate-request-deadline",
         metavar="SECONDS",
         help="Whole-request deadline of every served model's requests, streams included, over each model's "

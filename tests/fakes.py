@@ -32,13 +32,14 @@ import struct
 import sys
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
+from pytest_fp8gate import progress
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import GateConfig, ModelSpec
 from pytest_fp8gate.core import capabilities, rules
@@ -164,6 +165,14 @@ _ARCHITECTURE = _architecture()
 _PRECISION_NOISE = {"float16": _noise(16) * FP16_NOISE, "float32": _noise(32) * FP16_NOISE / 2}
 
 
+def _requests(items: Sequence[Any]) -> Iterator[Any]:
+    """Each request of an engine call, counted on the gate's progress tracker as vLLM's progress bar counts it."""
+    progress.expect(len(items))
+    for item in items:
+        yield item
+        progress.advance()
+
+
 def _uniform(*key: object) -> float:
     """A number in [0, 1) fixed by ``key``, the same in every process."""
     return zlib.crc32(repr(key).encode()) / 2**32
@@ -237,7 +246,7 @@ class FakeEngine(Engine):
     def prompt_logprobs(self, chunks: Sequence[Sequence[int]], top_k: int, full_vocab: bool,
                         layout: BatchLayout = ALL_AT_ONCE) -> LogprobRun:
         self.calls.append(("prompt_logprobs", self.spec.name, layout, len(chunks)))
-        rows = np.concatenate([self._logprobs(c, layout) for c in chunks])
+        rows = np.concatenate([self._logprobs(c, layout) for c in _requests(chunks)])
         tokens = np.concatenate([np.asarray(c[1:], dtype=np.int64) for c in chunks])
         return _run(rows, tokens, top_k, full_vocab)
 
@@ -247,7 +256,7 @@ class FakeEngine(Engine):
         self.calls.append(("generate_with_logprobs", self.spec.name, layout, len(prompts)))
         cache = _noise(DECODE_SEED) * (DECODE_NOISE + self.model.decode_noise)
         results = []
-        for prompt in prompts:
+        for prompt in _requests(prompts):
             ids, rows = list(prompt), []
             for _ in range(max_tokens):
                 # the distribution after ids[-1], at the position of the token it predicts
@@ -273,7 +282,7 @@ class FakeEngine(Engine):
     def generate_greedy(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
                         stops: Sequence[Sequence[str]], layout: BatchLayout = ALL_AT_ONCE) -> list[Generation]:
         self.calls.append(("generate_greedy", self.spec.name, layout, len(prompts)))
-        return [self._answer(p, n, s) for p, n, s in zip(prompts, max_tokens, stops)]
+        return [self._answer(p, n, s) for p, n, s in zip(_requests(prompts), max_tokens, stops)]
 
     def _answer(self, prompt: Sequence[int], max_tokens: int, stops: Sequence[str]) -> Generation:
         text = self.tokenizer.decode(prompt)

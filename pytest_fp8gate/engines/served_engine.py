@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .. import checkpoint
+from .. import checkpoint, progress
 from ..config.served import redact_url
 from ..config.spec import LoadSpec, ModelSpec, ServedSpec
 from ..core import spec_decode
@@ -267,11 +267,14 @@ def _in_layout(layout: BatchLayout, items: Sequence[Any], send: Callable[[Any], 
         if failed.is_set():
             raise CancelledError
         try:
-            return send(item)
+            result = send(item)
         except BaseException:
             failed.set()
             raise
+        progress.advance()
+        return result
 
+    progress.expect(len(items))
     for batch in layout.batches(len(items)):
         with ThreadPoolExecutor(max_workers=max(1, min(len(batch), layout.size or max_in_flight))) as pool:
             futures = [pool.submit(send_unless_failed, items[i]) for i in batch]

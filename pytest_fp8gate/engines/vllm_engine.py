@@ -8,7 +8,9 @@ elsewhere); only one is resident at a time (see ``VllmEngine.shutdown``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import io
 import logging
 import os
 import sys
@@ -18,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import timing
+from .. import progress, timing
 from ..config.spec import ModelSpec
 from ..core import capabilities
 from ..core.logprobs import LogprobRun
@@ -126,9 +128,10 @@ class VllmEngine(Engine):
         """vLLM's output for each prompt (``params(i)`` its sampling parameters), submitted in
         the layout's calls and returned in prompt order."""
         outputs: list[Any] = [None] * len(prompts)
+        progress.expect(len(prompts))
         for batch in layout.batches(len(prompts)):
             inputs = [{"prompt_token_ids": list(prompts[i])} for i in batch]
-            for i, out in zip(batch, self.llm.generate(inputs, [params(i) for i in batch], use_tqdm=False)):
+            for i, out in zip(batch, self.llm.generate(inputs, [params(i) for i in batch], use_tqdm=_progress_bar())):
                 outputs[i] = out
         return outputs
 
@@ -273,6 +276,23 @@ class VllmEngine(Engine):
         gc.collect()
         cleanup_dist_env_and_memory()
         log.info("fp8gate: stopped engine for %s", self.spec.name)
+
+
+@functools.cache
+def _progress_bar() -> type:
+    """vLLM's progress bar class (``use_tqdm``) turned into progress.advance calls; it draws nothing."""
+    from tqdm import tqdm
+
+    class Bar(tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            # vLLM also wraps adding the requests in one; only finished requests advance (update).
+            super().__init__(*args, **{**kwargs, "file": io.StringIO(), "mininterval": float("inf")})
+
+        def update(self, n: float | None = 1) -> bool | None:
+            progress.advance(int(n or 0))
+            return super().update(n)
+
+    return Bar
 
 
 def spawn_cause() -> str | None:

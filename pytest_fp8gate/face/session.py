@@ -107,7 +107,8 @@ class GateSession:
         self.artifacts = artifacts
         lifecycle.watch(artifacts)
         self.measurements = Measurements(gate_config, artifacts, self.state.needs, announce, cache,
-                                         self.state.engine_class, settings.compile_cache)
+                                         self.state.engine_class, settings.compile_cache,
+                                         progress_interval_s=settings.progress_interval_s)
         self.gate = Gate(gate_config, self.measurements)
         self.state.session = self
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
-from .. import checkpoint, gpu_bandwidths, hardware, timing
+from .. import checkpoint, gpu_bandwidths, hardware, progress, timing
 from ..atomic import atomic_write_text
 from ..config.spec import BATCH_ORDER_PASS, PRECISION_PASSES, GateConfig, ModelSpec, TaskSpec
 from ..core import capabilities as capabilities_mod
@@ -78,9 +78,11 @@ class Measurements:
         baseline_cache: BaselineCache | None = None,
         engine_class: type[Engine] = VllmEngine,
         compile_cache: Path | None = None,
+        progress_interval_s: float = progress.DEFAULT_INTERVAL_S,
     ) -> None:
         """``engine_class``: what starts an engine for a model (a stand-in in the tests); ``compile_cache``:
-        vLLM's cache root for every engine and managed server (None: vLLM's own default)."""
+        vLLM's cache root for every engine and managed server (None: vLLM's own default);
+        ``progress_interval_s``: how often a long pass prints its progress line (0: never)."""
         # Process-wide, so set once here, before any engine of the session starts.
         engine_class.prepare_process(config.deterministic_scheduling)
         self.engine_class = engine_class
@@ -88,6 +90,7 @@ class Measurements:
         self.artifacts = artifacts
         self.needs = {name: _with_generating_passes(need, config) for name, need in needs.items()}
         self.announce = announce
+        self.progress = progress.Reporter(announce, progress_interval_s)
         self.baseline_cache = baseline_cache
         # Under each model's env, which may name its own; a location, so no cache key holds it.
         self.cache_env = {} if compile_cache is None else {COMPILE_CACHE_ENV: str(compile_cache)}
@@ -166,7 +169,7 @@ class Measurements:
         if (start_note := engine_class.start_note()) is not None:
             self.announce(f"fp8gate: {label}: {start_note}")
         start_part = "engine start" if label == spec.name else f"engine start ({label})"
-        with self.time.span(spec.name, start_part):
+        with self.time.span(spec.name, start_part), self.progress.tracking(f"{label} engine start"):
             engine = engine_class(spec, max_logprobs=self._max_logprobs(), dtype=dtype)
         self.time.note_within(spec.name, start_part, timing.startup_phases(engine.startup_lines))
         note = capabilities_mod.version_note(engine.capabilities.vllm_version)
@@ -348,7 +351,7 @@ class Measurements:
             raise MeasurementError(f"reference {name}: the baseline's weights ({spec.model}) are not on this "
                                    f"machine as a checkpoint directory: {err}") from None
         with tempfile.TemporaryDirectory(prefix=f".{label}-", dir=self.artifacts) as scratch:
-            with self.time.span(spec.name, f"writing {label}"):
+            with self.time.span(spec.name, f"writing {label}"), self.progress.tracking(f"{spec.name} writing {label}"):
                 try:
                     build = reference_builds.write_build(name, source, Path(scratch) / name)
                 except ValueError as err:  # no safetensors weights to round
@@ -393,7 +396,7 @@ class Measurements:
             return
         spec = result.spec
         started = time.perf_counter()
-        with self.time.span(spec.name, "decode"):
+        with self.time.span(spec.name, "decode"), self.progress.tracking(f"{spec.name} [decode]", "sequences"):
             result.decode = decode_passes.measure_model(
                 engine, decode_passes.decode_prompts(self._chunks, self.config.decode), self.config.decode,
                 self.config.probabilities.top_k, self._full_vocab_wanted(), baseline.own if baseline else None,
@@ -414,7 +417,7 @@ class Measurements:
         result.served_otherwise = stack_mod.served_otherwise(stack) if stack else None
         if needs.speed and self.config.speed is not None:
             s = self.config.speed
-            with self.time.span(spec.name, "speed"):
+            with self.time.span(spec.name, "speed"), self.progress.tracking(f"{spec.name} [speed]"):
                 result.latency = engine.latency(s.input_len, s.output_len, s.batch_size, s.warmup_iters, s.iters,
                                                 min_iters=s.min_iters, target_rel_se=s.target_rel_se)
             self._look_up_speed_inputs(result)
@@ -428,7 +431,7 @@ class Measurements:
             return
         started = time.perf_counter()
         before = engine.spec_decode_reading() if needs.speculative else None
-        with self.time.span(result.spec.name, "load"):
+        with self.time.span(result.spec.name, "load"), self.progress.tracking(f"{result.spec.name} [load]"):
             result.load = engine.load_levels(self.config.load)
         if before is not None:
             result.spec_decode = [*(result.spec_decode or []),
@@ -459,7 +462,8 @@ class Measurements:
         if needs.probabilities and self._chunks:
             assert self.config.probabilities is not None
             started = time.perf_counter()
-            with self.time.span(spec.name, f"{label} logprobs"):
+            with self.time.span(spec.name, f"{label} logprobs"), \
+                    self.progress.tracking(f"{spec.name} [{label}] log-probs", "chunks"):
                 run = engine.prompt_logprobs(self._chunks, self.config.probabilities.top_k,
                                              self._full_vocab_wanted(), layout)
                 check_vocabulary(run, engine.vocab_size)
@@ -473,7 +477,8 @@ class Measurements:
         for task in self.config.tasks:
             if task.name in needs.tasks:
                 started = time.perf_counter()
-                with self.time.span(spec.name, f"{label} {task.name}"):
+                with self.time.span(spec.name, f"{label} {task.name}"), \
+                        self.progress.tracking(f"{spec.name} [{label}] {task.name}"):
                     result.samples[task.name] = self._run_task(engine, task, directory, layout)
                 timings.append(f"{task.name} {time.perf_counter() - started:.1f} s")
         self.announce(f"fp8gate: measured {spec.name} [{label}]: {', '.join(timings) or 'nothing needed'}")
