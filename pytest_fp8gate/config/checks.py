@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection
 
 from .. import checkpoint
-from ..core import roofline, spec_decode
+from ..core import protocol, roofline, spec_decode
 from ..core.rules import RULES
 from ..errors import ConfigError, RooflineError
 from .spec import BATCH_ORDER_PASS, FP16_PASS, NOISE_PASSES, PRECISION_PASSES, REFERENCES, GateConfig, ModelSpec
@@ -207,6 +207,30 @@ def template_kwargs(value: Any) -> dict[str, Any]:
     for name, item in value.items():
         if not plain(item):
             raise ValueError(f"{name}: expected a string, number, boolean or an array of them, got {show(item)}")
+    return dict(value)
+
+
+def expected_protocol(value: Any) -> dict[str, Any]:
+    """The protocol an expected_accuracy was measured under: any of core/protocol.py's keys, each of its type."""
+    if not isinstance(value, dict):
+        raise ValueError(f'expected a table of protocol keys (e.g. {{ prompt = "completions", num_fewshot = 5 }}), '
+                         f"got {show(value)}")
+    kinds: dict[str, Callable[[Any], bool]] = {
+        "prompt": lambda v: v in protocol.PROMPTS,
+        "chat_template_sha256": lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None,
+        "num_fewshot": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+        "filter": lambda v: isinstance(v, str) and bool(v),
+        "until": lambda v: isinstance(v, list) and all(isinstance(item, str) for item in v),
+        "think_end": lambda v: isinstance(v, str) and bool(v),
+    }
+    expected = {"prompt": " or ".join(map(repr, protocol.PROMPTS)), "chat_template_sha256": "a sha256 in hex",
+                "num_fewshot": "an integer >= 0", "until": "an array of strings"}
+    for name, item in value.items():
+        if name not in protocol.KEYS:
+            raise ValueError(f"{name}: unknown protocol key; " + suggest_key(name, protocol.KEYS))
+        if not kinds.get(name, lambda v: isinstance(v, bool))(item):
+            what = expected.get(name, "a non-empty string" if name in kinds else "true or false")
+            raise ValueError(f"{name}: expected {what}, got {show(item)}")
     return dict(value)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Sequence, TypeVar
 
 from .. import checkpoint, gpu_bandwidths
+from ..core import protocol
 from ..errors import CheckpointError, ConfigError, UnsupportedEngine
 from . import checks, engine_args, schema
 from .served import MAX_IN_FLIGHT, REQUEST_DEADLINE_S, endpoint_problem, flag_conflict
@@ -503,6 +504,7 @@ class _Parser:
         for key in ("fewshot_as_multiturn", "chat_template_kwargs"):
             if key in table.raw and getattr(spec, key) and not spec.apply_chat_template:
                 raise self.error(table.key(key), "has no effect unless apply_chat_template = true")
+        self.check_expected_protocol(table, spec)
         if spec.chat_template_kwargs.get("enable_thinking") is True and spec.think_end is None:
             # lm-eval refuses the same (think_end_token is required with enable_thinking=True).
             raise self.error(table.key("think_end"), "missing: chat_template_kwargs.enable_thinking = true makes "
@@ -510,6 +512,22 @@ class _Parser:
                                                      'ends the thinking (e.g. "</think>") so that only the '
                                                      "answer after it is scored")
         return spec
+
+    def check_expected_protocol(self, table: _Table, spec: TaskSpec) -> None:
+        """An expected_accuracy measured under another protocol than this file sets is refused here, before any
+        engine starts; the keys only a run knows (the chat template's hash, lm-eval's default few-shot count, the
+        task's stop strings) are checked when the baseline's accuracy is judged."""
+        expected = spec.limits.expected_protocol
+        if expected is None:
+            return
+        where = table.key("limits.expected_protocol")
+        if spec.limits.expected_accuracy is None:
+            raise self.error(where, "has no effect unless limits.expected_accuracy is set")
+        found = protocol.difference(expected, spec.protocol())
+        if found is not None:
+            key, wanted, this_run = found
+            raise self.error(f"{where}.{key}", f"expected_accuracy was measured under {key} = {protocol.show(wanted)}, "
+                                               f"this task runs under {key} = {protocol.show(this_run)}")
 
     def directory(self, where: str, value: str | None) -> Path | None:
         if not value:

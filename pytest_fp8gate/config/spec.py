@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core.buckets import DEFAULT_EDGES, MIN_BUCKET_POSITIONS
+from ..core.protocol import CHAT_TEMPLATE, COMPLETIONS
 from ..core.rules import RULES, SHARE_OF_BASELINE
 from .served import MAX_IN_FLIGHT, REQUEST_DEADLINE_S
 
@@ -186,6 +187,9 @@ class TaskLimits:
     # many SEs (sqrt(p(1-p)/n) at that figure) it may miss it by before the harness is called broken.
     expected_accuracy: float | None = None
     expected_accuracy_se: float = 3.0
+    # The protocol expected_accuracy was measured under (core/protocol.py's keys); a key that differs from this
+    # run's is refused. None: the figure is compared as it is.
+    expected_protocol: Mapping[str, Any] | None = field(default=None, hash=False)
     # Optional output sanity rules (None: not collected): |mean length change| and invalid-answer rise.
     max_length_drift: float | None = None
     max_invalid_increase: float | None = None
@@ -213,6 +217,14 @@ class TaskSpec:
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
     think_end: str | None = None
     limits: TaskLimits = TaskLimits()
+
+    def protocol(self) -> dict[str, Any]:
+        """The protocol keys this file sets (core/protocol.py); the run adds the chat template's hash, the
+        few-shot count lm-eval used and the task's stop strings (lm_adapter.run_task)."""
+        return {"prompt": CHAT_TEMPLATE if self.apply_chat_template else COMPLETIONS,
+                "fewshot_as_multiturn": self.fewshot_as_multiturn,
+                **({"num_fewshot": self.num_fewshot} if self.num_fewshot is not None else {}),
+                "add_bos_token": self.add_bos_token, "filter": self.filter, "think_end": self.think_end}
 
 
 @dataclass(frozen=True)

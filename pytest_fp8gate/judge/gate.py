@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.spec import GateConfig, LoadSpec, SpeedSpec, TaskLimits, TaskSpec
-from ..core import roofline, rules, spec_decode
+from ..core import protocol, roofline, rules, spec_decode
 from ..core.answers import AnswerComparison, pooled_floor
 from ..core.logprobs import TOPK_KL, LogprobComparison, PositionBucket
 from ..core.rules import RuleOutcome
@@ -235,7 +235,8 @@ class Gate:
                 f"(tasks.limits.min_baseline_accuracy): the task cannot tell a broken build from a good one; "
                 "check the task, filter, metric and few-shot setup"
             )
-        _check_expected_accuracy(self.config.baseline.name, task, accuracy, len(base))
+        _check_expected_accuracy(self.config.baseline.name, task, accuracy, len(base),
+                                 self.comparisons.baseline().main.protocol(task))
         return self.comparisons.answers(case.candidate, task)
 
     def accuracy(self, case: Case, rule: rules.Rule) -> Verdict:
@@ -566,12 +567,15 @@ def _gpus(estimate: roofline.RooflineEstimate, bandwidth_gbps: float) -> float:
     return estimate.bandwidth_gbps / bandwidth_gbps
 
 
-def _check_expected_accuracy(baseline: str, task: TaskSpec, accuracy: float, questions: int) -> None:
+def _check_expected_accuracy(baseline: str, task: TaskSpec, accuracy: float, questions: int,
+                             measured_under: dict[str, Any] | None) -> None:
     """A baseline far from what it should score means the harness or the baseline is broken, and a
-    paired comparison would pass vacuously on both."""
+    paired comparison would pass vacuously on both. A figure measured under another protocol than
+    ``measured_under`` (the baseline's, core/protocol.py) is refused: it is not this run's figure."""
     expected = task.limits.expected_accuracy
     if expected is None:
         return
+    _check_protocol(baseline, task, measured_under)
     k = task.limits.expected_accuracy_se
     tolerance = k * math.sqrt(expected * (1 - expected) / questions)
     if abs(accuracy - expected) > tolerance:
@@ -580,6 +584,21 @@ def _check_expected_accuracy(baseline: str, task: TaskSpec, accuracy: float, que
             f"{task.filter!r}, metric {task.metric!r}), but tasks.limits.expected_accuracy is {expected:g} "
             f"± {k:g} SE ({tolerance:.4f}): the harness or the baseline is broken (prompt format, few-shot, "
             "filter, metric, tokenizer or weights), so no comparison against it can be trusted")
+
+
+def _check_protocol(baseline: str, task: TaskSpec, measured_under: dict[str, Any] | None) -> None:
+    wanted = task.limits.expected_protocol
+    if wanted is None:
+        return
+    setting = f"tasks {task.name!r} limits.expected_protocol"
+    if measured_under is None:
+        raise GateError(f"{setting}: baseline {baseline}'s protocol on {task.name} was not kept (a baseline cache "
+                        "entry stored before protocols were); measure it again with --fp8gate-update-baseline")
+    found = protocol.difference(wanted, measured_under)
+    if found is not None:
+        key, value, this_run = found
+        raise GateError(f"{setting}.{key}: expected_accuracy was measured under {key} = {protocol.show(value)}, "
+                        f"baseline {baseline} ran {task.name} under {key} = {protocol.show(this_run)}")
 
 
 def _refuse_above_ceiling(speeds: Mapping[str, rules.DecodeSpeed], bandwidth: float) -> None:

@@ -37,7 +37,17 @@ from ..core.spec_decode import Window
 from ..engines import provenance, stack
 from ..engines.base import Latency
 from ..errors import CacheEntryError
-from .record import DECODE_DUMP, FLOOR_DUMP, PREFILL_DUMP, BaselineRecord, DecodeResult, ModelResult, Needs, PassResult
+from .record import (
+    DECODE_DUMP,
+    FLOOR_DUMP,
+    PREFILL_DUMP,
+    BaselineRecord,
+    DecodeResult,
+    ModelResult,
+    Needs,
+    PassResult,
+    protocol_path,
+)
 
 FORMAT = 1  # bump when the entry layout or the meaning of a stored number changes
 MANIFEST = "manifest.json"
@@ -536,9 +546,9 @@ def _pass_files(result: PassResult, root: Path) -> list[str]:
     files = [_relative(result.logprobs_path, root)] if result.logprobs_path else []
     for task, path in result.samples.items():
         files.append(_relative(path, root))
-        results = path.with_name(f"results_{task}.json")
-        if results.is_file():
-            files.append(_relative(results, root))
+        for kept in (path.with_name(f"results_{task}.json"), protocol_path(path)):
+            if kept.is_file():
+                files.append(_relative(kept, root))
     return files
 
 

@@ -8,6 +8,7 @@ explicit BOS handling, and a batch layout that the noise pass can change.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import re
@@ -24,6 +25,7 @@ from ..config.spec import GateConfig, TaskSpec
 from ..core.answers import final_answer
 from ..core.dumps import FINISH_REASON, SAMPLES_RUN_ID, THINKING_CHARS, write_lm_eval_samples
 from ..engines.base import ALL_AT_ONCE, BatchLayout, Engine
+from .record import protocol_path
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default when a task sets none
 
@@ -306,7 +308,30 @@ def run_task(
     write_lm_eval_samples(path, rows)
     atomic_write_text(directory / f"results_{task.name}.json",
                       json.dumps(results["results"], indent=1, default=str))
+    atomic_write_text(protocol_path(path), json.dumps(_protocol(task, lm, results), indent=1))
     return path
+
+
+def _protocol(task: TaskSpec, lm: EngineLM, results: dict[str, Any]) -> dict[str, Any]:
+    """The protocol the task ran under (core/protocol.py): the file's keys, and what lm-eval made of them."""
+    template = lm.chat_template(True) if task.apply_chat_template else None
+    configs = results.get("configs", {})
+    # A group's subtasks may differ: one value where they agree, else one per subtask.
+    return {**task.protocol(),
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
+            "num_fewshot": _one_or_each(results.get("n-shot", {})),
+            "until": _one_or_each({sub: _stops(config) for sub, config in configs.items()
+                                   if config.get("output_type") == "generate_until"})}
+
+
+def _stops(config: dict[str, Any]) -> list[str]:
+    until = config.get("generation_kwargs", {}).get("until") or []
+    return [until] if isinstance(until, str) else list(until)
+
+
+def _one_or_each(values: dict[str, Any]) -> Any:
+    distinct = {json.dumps(v, sort_keys=True) for v in values.values()}
+    return next(iter(values.values())) if len(distinct) == 1 else (dict(sorted(values.items())) or None)
 
 
 _ENV_REPORT_LEFT_OUT = "left out by fp8gate (its provenance.json records the environment)"

@@ -8,6 +8,7 @@ directory) are made while measuring and kept here, so judging probes nothing.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,17 @@ class PassResult:
 
     def answers(self, task: TaskSpec) -> list[AnswerRecord]:
         return read_lm_eval_samples(self.samples[task.name], filter_name=task.filter, metric=task.metric)
+
+    def protocol(self, task: TaskSpec) -> dict[str, Any] | None:
+        """The protocol ``task`` ran under (core/protocol.py); None where it was not kept (a baseline cache
+        entry stored before protocols were)."""
+        path = protocol_path(self.samples[task.name])
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def protocol_path(samples: Path) -> Path:
+    """Where a task's protocol is kept: ``protocol_<name>.json`` beside its ``samples_<name>.jsonl``."""
+    return samples.with_name("protocol_" + samples.name.removeprefix("samples_").removesuffix(".jsonl") + ".json")
 
 
 @dataclass
