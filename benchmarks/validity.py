@@ -59,6 +59,7 @@ from pytest_fp8gate.core.answers import (
     pooled_floor,
 )
 from pytest_fp8gate.core.buckets import chunk_positions
+from pytest_fp8gate.core.budget import level_allowance, run_levels
 from pytest_fp8gate.core.dumps import read_lm_eval_samples
 from pytest_fp8gate.core.logprobs import LogprobComparison, LogprobRun, compare_logprobs
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
@@ -145,28 +146,43 @@ def judge(name: str, group: str, base: Measured, cand: Measured, floors: list[Me
           references: dict[str, LogprobComparison], config: GateConfig) -> Figures:
     """The demo gate's verdicts on measured numbers, as Gate.probability/accuracy/paired_accuracy/flips compute
     them: every probability rule the config sets (a value, or a factor over ``references``), the allowance in
-    SEs of the worst floor's figure; the floors' flips summed over their passes."""
+    SEs of the worst floor's figure; the floors' flips summed over their passes; the rules that are tests at
+    their levels under run_alpha (Holm, as the gate; the demo's decode rules, not measured here, are not in it)."""
     assert config.probabilities is not None
     limits, task = config.probabilities.limits, config.tasks[0].limits
     comparison = by_chunk(base.run, cand.run, config)
     floor_comparisons = {str(i): by_chunk(base.run, f.run, config) for i, f in enumerate(floors)}
-    verdicts: dict[str, rules.RuleOutcome] = {}
-    for rule in (r for r in rules.RULES if r.kind == "probability" and limits.sets(r.limit_key)):
-        limit = configured_limit(rule, config, references)
-        verdicts[rule.name], _ = rule.against_floors(rule.name, comparison, floor_comparisons, limit,
-                                                     limits.floor_ratio_for(rule.name), "floor_ratio", limits.limit_se)
     answers = compare_answers(base.answers, cand.answers)
     n, flips = answers.questions, answers.flips
-    verdicts["accuracy"] = rules.accuracy_within_se(answers.accuracy_base, answers.accuracy_cand, n,
-                                                    k=task.accuracy_se)
-    verdicts["paired_accuracy"] = rules.paired_accuracy_within(answers.right_to_wrong, answers.wrong_to_right, n,
-                                                               margin=task.accuracy_margin, alpha=task.accuracy_alpha)
     floor_flips, passes, _ = pooled_floor([count_flips(base, f) for f in floors])  # as the gate pools them
-    for key, rule_name in (("flips", rules.FLIP_RATIO), ("flips_binomial", rules.FLIP_BINOMIAL)):
-        verdicts[key] = rules.flips_within_noise_floor(flips, floor_flips, n, ratio=task.flips_ratio,
-                                                       min_allowance_fraction=task.min_flip_allowance,
-                                                       rule=rule_name, alpha=task.flip_alpha,
-                                                       floor_passes=passes)
+    probability = [r for r in rules.RULES if r.kind == "probability" and limits.sets(r.limit_key)]
+
+    def judged(levels: dict[str, float]) -> dict[str, rules.RuleOutcome]:
+        """Each rule at its level under the run's budget (its own level where ``levels`` has none)."""
+        verdicts: dict[str, rules.RuleOutcome] = {}
+        for rule in probability:
+            limit = configured_limit(rule, config, references)
+            verdicts[rule.name], _ = rule.against_floors(rule.name, comparison, floor_comparisons, limit,
+                                                         limits.floor_ratio_for(rule.name), "floor_ratio",
+                                                         level_allowance(levels.get(rule.name), limits.limit_se))
+        verdicts["accuracy"] = rules.accuracy_within_se(answers.accuracy_base, answers.accuracy_cand, n,
+                                                        k=task.accuracy_se)
+        verdicts["paired_accuracy"] = rules.paired_accuracy_within(
+            answers.right_to_wrong, answers.wrong_to_right, n, margin=task.accuracy_margin,
+            alpha=levels.get("paired_accuracy", task.accuracy_alpha))
+        for key, rule_name in (("flips", rules.FLIP_RATIO), ("flips_binomial", rules.FLIP_BINOMIAL)):
+            verdicts[key] = rules.flips_within_noise_floor(flips, floor_flips, n, ratio=task.flips_ratio,
+                                                           min_allowance_fraction=task.min_flip_allowance,
+                                                           rule=rule_name, alpha=levels.get(key, task.flip_alpha),
+                                                           floor_passes=passes)
+        return verdicts
+
+    verdicts = judged({})
+    if config.run_alpha > 0:  # the run's false-alarm budget, shared as the gate shares it (core/budget.py)
+        tests = [r.name for r in probability] + ["paired_accuracy"]
+        tests += ["flips_binomial"] if task.flip_rule == rules.FLIP_BINOMIAL else []
+        verdicts = judged(run_levels({name: verdicts[name].figures["p_value"] for name in tests}, config.run_alpha,
+                                     ["paired_accuracy"]))
     floor_kl = max(c.mean_kl for c in floor_comparisons.values())
     floor_disagreement = max(1 - c.same_top for c in floor_comparisons.values())
     return Figures(name, group, comparison, answers.accuracy_cand, flips, verdicts,

@@ -211,6 +211,19 @@ def test_only_the_decode_phase_catches_the_evicted_sink(demo: dict) -> None:
         "metadata"]["fp8gate"]["limit"]
 
 
+def test_every_verdict_states_its_power_and_its_share_of_the_false_alarm_budget(demo: dict) -> None:
+    judged = {key: entry["metadata"]["fp8gate"] for key, entry in demo["tests"].items()
+              if "fp8gate" in entry.get("metadata", {})}
+    assert len(judged) > 50, sorted(judged)
+    for key, numbers in judged.items():
+        notes = numbers["notes"]
+        assert sum(note.startswith("power") for note in notes) == 1, (key, notes)
+        assert sum(note.startswith("false-alarm budget") for note in notes) == 1, (key, notes)
+    # The probability rules are tests: each states its p and the level it spent of run_alpha = 0.05.
+    budget = judged[(CONTROL, "test_kl_within_limit")]["details"]["budget"]
+    assert budget["run_alpha"] == 0.05 and 0 < budget["level"] <= 0.05, budget
+
+
 def test_failure_explains_itself_side_by_side(demo: dict) -> None:
     entry = demo["tests"][("planted-outlier", "test_flips_within_noise_floor")]
     text = entry["call"]["longrepr"]

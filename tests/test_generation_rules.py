@@ -58,7 +58,9 @@ def _edit(extra: str = DECODE, noise: str = "") -> object:
 
 
 def _measurements(tmp_path: Path, needs: dict[str, Needs], **kwargs: object) -> Measurements:
-    config = load_config(write_gate(tmp_path, _edit(**kwargs)))  # type: ignore[arg-type]
+    # Each rule at its own level (run_alpha = 0): the run's shared budget is tested in test_run_budget.py.
+    edit = _edit(**kwargs)
+    config = load_config(write_gate(tmp_path, lambda text: "run_alpha = 0\n" + edit(text)))  # type: ignore[operator]
     return Measurements(config, tmp_path / "artifacts", needs, lambda line: None, None, fake_engine_class(MODELS))
 
 
@@ -166,20 +168,27 @@ def test_candidate_passes_take_only_the_batch_order_pass(tmp_path: Path) -> None
 
 
 # rule -> the rows of its table, the limit it names, and whether fp8gate compare-logprobs recomputes it
+P_ROW = "p, one-sided normal, of missing the limit (addition)"
+
+
+def _rows(rule: str, *head: str, se: str = "noise floor SE (fails beyond 1 SE)") -> list[str]:
+    return [*head, "candidate", *([se] if se else []), P_ROW, f"{rule} caught with 80% power (addition)",
+            "threshold", "margin"]
+
+
 EXPLAINED = {
-    "decode_same_top": (["reference", "noise floor", "candidate", "noise floor SE (fails beyond 1 SE)", "threshold",
-                         "margin"], "decode.limits.min_same_top = 0.97674", True),
-    "decode_rms_dp": (["reference", "noise floor", "candidate", "noise floor SE (fails beyond 1 SE)", "threshold",
-                       "margin"], "decode.limits.max_rms_dp = 0.01198", True),
-    "decode_mean_kl": (["reference", "noise floor", "candidate", "noise floor SE (fails beyond 1 SE)", "threshold",
-                        "margin"], "decode.limits.max_mean_kl = 0.001355", True),
-    rules.DECODE_GAP: (["reference", "noise floor", "3 x noise floor", "candidate",
-                        "noise floor SE (fails beyond 1 SE)", "threshold", "margin"],
+    "decode_same_top": (_rows("decode_same_top", "reference", "noise floor"), "decode.limits.min_same_top = 0.97674",
+                        True),
+    "decode_rms_dp": (_rows("decode_rms_dp", "reference", "noise floor"), "decode.limits.max_rms_dp = 0.01198", True),
+    "decode_mean_kl": (_rows("decode_mean_kl", "reference", "noise floor"), "decode.limits.max_mean_kl = 0.001355",
+                       True),
+    rules.DECODE_GAP: (_rows(rules.DECODE_GAP, "reference", "noise floor", "3 x noise floor"),
                        "decode.limits.max_gap_kl = 0.001355", True),
-    rules.LENGTH_DRIFT: (["reference", "noise floor", "2 x noise floor", "candidate", "threshold", "margin"],
+    rules.LENGTH_DRIFT: (_rows(rules.LENGTH_DRIFT, "reference", "noise floor", "2 x noise floor", se=""),
                          "tasks[0].limits.max_length_drift = 0.1", False),
     rules.INVALID_RATE: (["questions", "baseline invalid rate", "noise floor invalid rate", "allowed rise",
-                          "candidate invalid rate", "no-change SE (fails beyond 1 SE)", "threshold", "margin"],
+                          "candidate invalid rate", "no-change SE (fails beyond 1 SE)", P_ROW,
+                          "invalid_rate caught with 80% power (addition)", "threshold", "margin"],
                          "tasks[0].limits.max_invalid_increase = 0.02", False),
 }
 FAILING = {"decode_same_top": "bad", "decode_rms_dp": "bad", "decode_mean_kl": "bad", rules.DECODE_GAP: "kv",

@@ -217,3 +217,16 @@ def test_the_report_says_what_each_engine_ran(data: ReportData):
     assert ("- bf16 (env: VLLM_X=1): runner GPUModelRunner; attention FLASH_ATTN; compile "
             "CompilationMode.VLLM_COMPILE; CUDA graphs CUDAGraphMode.FULL_AND_PIECEWISE; "
             "4 x Fp8LinearMethod [CutlassFP8ScaledMMLinearKernel]") in text
+
+
+def test_the_report_tables_each_rule_s_share_of_the_budget_and_its_power(data: ReportData):
+    budget = {"run_alpha": 0.05, "rules": 2, "level": 0.025, "p_value": 0.0, "rank": 1}
+    outcome = rules.at_most("mean_kl", 0.02, 0.01, 0.0005, measured_se=0.001, k_se=1.96)
+    kl = data.verdicts[2] = dataclasses.replace(data.verdicts[2], outcome=outcome, details={"budget": budget})
+    text = render(data, None).markdown
+    assert ("False alarms and power (additions): the rules that are tests share run_alpha = 0.05 by Holm" in text)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in text.splitlines() if line.startswith("| ") and line.count("|") == 7}
+    assert rows["mean_kl"] == ["mean_kl", "-", "0", "0.025", "mean_kl", f"{kl.outcome.figures['resolution']:.6g}"]
+    assert rows["accuracy"][2:] == ["-", "none (not a test)", "-", "-"]  # no resolution without the churn
+    assert rows["flips"][4] == "flip rate"  # the rule's own unit

@@ -205,7 +205,7 @@ BAD_INPUTS = {
     "unknown section": (
         MINIMAL + "[extra]\n",
         "extra: unknown key; expected one of: baseline, candidates, decode, deterministic_scheduling, device, load, "
-        "noise, probabilities, speculative, speed, tasks",
+        "noise, probabilities, run_alpha, speculative, speed, tasks",
     ),
     "misspelled array of tables": (
         MINIMAL + '[[candidate]]\nname = "x"\n',

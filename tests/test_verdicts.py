@@ -26,8 +26,14 @@ from pytest_fp8gate.run.measure import Measurements
 RULE_TESTS = sorted(name for name in vars(suite) if name.startswith("test_")
                     and BY_TEST[name].kind not in ("load", "bucket", "speculative")
                     and BY_TEST[name].name not in GENERATION_RULES | {RECOVERY, TRUNCATION, "kl_p99"})
-PROBABILITY_ROWS = ["reference", "noise floor", "candidate", "noise floor SE (fails beyond 1 SE)", "threshold",
-                    "margin"]
+P_ROW = "p, one-sided normal, of missing the limit (addition)"
+
+
+def probability_rows(metric: str) -> list[str]:
+    return ["reference", "noise floor", "candidate", "noise floor SE (fails beyond 1 SE)", P_ROW,
+            f"{metric} caught with 80% power (addition)", "threshold", "margin"]
+
+
 # suite test -> the rows of its table, how its notes start, the limit it names and the command that recomputes it
 EXPLAINED = {
     "test_accuracy_within_se": (
@@ -51,19 +57,20 @@ EXPLAINED = {
          "judged by the one-sided exact conditional binomial test (an addition): fails when p < 0.5",
          "noise pass batch-order: ", "noise pass fp16: "], "tasks[0].limits.flip_alpha = 0.5", "fp8gate flips "),
     "test_same_top_near_baseline": (
-        PROBABILITY_ROWS, ["noise pass batch-order: same_top = ", "noise pass fp16: same_top = ",
+        probability_rows("same_top"), ["noise pass batch-order: same_top = ", "noise pass fp16: same_top = ",
                            "judged like accuracy: "],
         "probabilities.limits.min_same_top = 0.97674", "fp8gate compare-logprobs "),
     "test_rms_dp_within_limit": (
-        PROBABILITY_ROWS, ["noise pass batch-order: rms_dp = ", "noise pass fp16: rms_dp = ", "judged like accuracy: "],
+        probability_rows("rms_dp"),
+        ["noise pass batch-order: rms_dp = ", "noise pass fp16: rms_dp = ", "judged like accuracy: "],
         "probabilities.limits.max_rms_dp = 0.01198", "fp8gate compare-logprobs "),
     "test_ppl_ratio_within_limit": (
         ["reference", "noise floor", "candidate", "SE of ln noise floor (fails beyond 1 SE)", "limit x exp(1 SE)",
-         "threshold", "margin"], ["noise pass batch-order: ppl_ratio = ", "noise pass fp16: ppl_ratio = ",
-                           "judged like accuracy: "],
+         P_ROW, "ppl_ratio caught with 80% power (addition)", "threshold", "margin"],
+        ["noise pass batch-order: ppl_ratio = ", "noise pass fp16: ppl_ratio = ", "judged like accuracy: "],
         "probabilities.limits.max_ppl_ratio = 1.00042", "fp8gate compare-logprobs "),
     "test_kl_within_limit": (
-        PROBABILITY_ROWS, ["noise pass batch-order: mean_kl = ", "noise pass fp16: mean_kl = ",
+        probability_rows("mean_kl"), ["noise pass batch-order: mean_kl = ", "noise pass fp16: mean_kl = ",
                            "KL(base || candidate) is exact", "judged like accuracy: "],
         "probabilities.limits.max_mean_kl = 0.001355", "fp8gate compare-logprobs "),
     "test_decode_speed_near_ceiling": (
@@ -86,7 +93,8 @@ def verdicts(directory: Path) -> dict[tuple[str, str], Verdict]:
     """(suite test, candidate) -> verdict, every rule of write_gate's thresholds measured once."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hardware, "probe_cuda", lambda: hardware.CudaProbe((), "faked by the test"))
-        config = load_config(write_gate(directory))
+        # Each rule at its own level (run_alpha = 0): the run's shared budget is tested in test_run_budget.py.
+        config = load_config(write_gate(directory, lambda text: "run_alpha = 0\n" + text))
         params = {name: [param.values[0] for param in cases.cases_for(name, config, FakeEngine)] for name in RULE_TESTS}
         needs = cases.needs_of([case for found in params.values() for case in found])
         gate = Gate(config, Measurements(config, directory / "artifacts", needs, lambda line: None, None,
@@ -149,6 +157,9 @@ accuracy FAILED for candidate bad on echo
   note: McNemar exact p on the flips: 0.003906 (an addition to the article)
   note: noise pass batch-order: accuracy 0.8250
   note: noise pass fp16: accuracy 0.8000
+  note: false-alarm budget: off (run_alpha = 0), so each rule is judged at its own level
+  note: power (an addition): a true drop of 0.140529 is caught with 80% probability; a pass does not rule out a \
+smaller regression
   limit: {directory / "thresholds.toml"} tasks[0].limits.accuracy_se = 1
   recompute: fp8gate flips {directory / "artifacts/bf16/main/samples_echo.jsonl"} \
 {directory / "artifacts/bad/main/samples_echo.jsonl"} --filter strict-match --metric exact_match"""

@@ -17,6 +17,7 @@ from typing import Any, Callable, Collection, Sequence, TypeVar
 
 from .. import checkpoint, gpu_bandwidths
 from ..core import protocol
+from ..core.budget import RUN_ALPHA
 from ..errors import CheckpointError, ConfigError, UnsupportedEngine
 from . import checks, engine_args, schema
 from .served import MAX_IN_FLIGHT, REQUEST_DEADLINE_S, endpoint_problem, flag_conflict
@@ -157,6 +158,7 @@ class _Parser:
             speed=self.speed(top.table("speed", schema.SPEED_CHECKS)) if "speed" in raw else None,
             device=device,
             deterministic_scheduling=top.get("deterministic_scheduling", checks.boolean, False),
+            run_alpha=top.get("run_alpha", checks.number(0, 0.5), RUN_ALPHA),
             decode=self.decode(top.table("decode", schema.DECODE_KEYS)) if "decode" in raw else None,
             load=self.load(top.table("load", schema.LOAD_CHECKS), device) if "load" in raw else None,
             speculative=SpeculativeSpec(**top.table("speculative", schema.SPECULATIVE_CHECKS).values(

@@ -31,8 +31,8 @@ from .checks import (
 from .spec import REFERENCES
 from .vllm_names import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
-TOP_KEYS = ("device", "deterministic_scheduling", "baseline", "candidates", "noise", "probabilities", "decode",
-            "tasks", "speed", "load", "speculative")
+TOP_KEYS = ("device", "deterministic_scheduling", "run_alpha", "baseline", "candidates", "noise", "probabilities",
+            "decode", "tasks", "speed", "load", "speculative")
 NOISE_KEYS = ("passes", "candidate_passes")
 
 # --- served models (issue 20) -------------------------------------------------

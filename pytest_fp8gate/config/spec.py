@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core.buckets import DEFAULT_EDGES, MIN_BUCKET_POSITIONS
+from ..core.budget import RUN_ALPHA
 from ..core.protocol import CHAT_TEMPLATE, COMPLETIONS
 from ..core.rules import RULES, SHARE_OF_BASELINE
 from .served import MAX_IN_FLIGHT, REQUEST_DEADLINE_S
@@ -339,6 +340,9 @@ class GateConfig:
     decode: DecodeSpec | None = None  # the decode-phase check; needs [probabilities] for its prompts
     load: LoadSpec | None = None  # speed under load; every model served
     speculative: SpeculativeSpec | None = None  # the acceptance rule; every model served with speculative decoding
+    # The run's false-alarm budget (an addition): each candidate's rules that are tests share it by Holm
+    # (core/budget.py); 0 judges each at its own level (limit_se, flip_alpha, accuracy_alpha, accuracy_se).
+    run_alpha: float = RUN_ALPHA
 
 
 def with_request_deadline(config: GateConfig, seconds: float) -> GateConfig:

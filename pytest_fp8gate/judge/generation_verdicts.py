@@ -15,6 +15,7 @@ from typing import Any
 
 from ..config.spec import TaskSpec
 from ..core import rules
+from ..core.budget import level_allowance
 from ..core.decode_phase import DecodeComparison
 from ..core.logprobs import LogprobComparison
 from ..errors import GateError
@@ -53,8 +54,9 @@ def _recompute(first: Path | None, second: Path | None) -> str | None:
     return fp8gate_command("compare-logprobs", first, second) if first is not None and second is not None else None
 
 
-def decode_phase(comparisons: Comparisons, case: Case, rule: rules.Rule) -> Verdict:
-    """decode_same_top, decode_rms_dp, decode_mean_kl: the probability rules' judgement on generated positions."""
+def decode_phase(comparisons: Comparisons, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
+    """decode_same_top, decode_rms_dp, decode_mean_kl: the probability rules' judgement on generated positions;
+    ``level``: the rule's share of the run's false-alarm budget (None: decode.limits.limit_se decides)."""
     config = comparisons.config
     decode = config.decode
     assert decode is not None
@@ -67,7 +69,8 @@ def decode_phase(comparisons: Comparisons, case: Case, rule: rules.Rule) -> Verd
     reference = getattr(limits, rule.limit_key)
     same_top = comparison.logprobs.same_top
     outcome, floor_values = rule.against_floors(metric, comparison.logprobs, {k: c.logprobs for k, c in floors.items()},
-                                                reference, limits.floor_ratio, "floor_ratio", limits.limit_se)
+                                                reference, limits.floor_ratio, "floor_ratio",
+                                                level_allowance(level, limits.limit_se))
     prefill = _prefill_line(comparisons, case.candidate)
     notes = [rules.sanity_floor_note(same_top)] if outcome.bound_by == rules.SANITY_FLOOR else []
     notes += [f"on {comparison.logprobs.positions} generated positions ({comparison.sequences} greedy continuations "
@@ -90,7 +93,7 @@ def decode_phase(comparisons: Comparisons, case: Case, rule: rules.Rule) -> Verd
                    limit=limit_setting(config, f"decode.limits.{outcome.limit_key}", value), recompute=recompute)
 
 
-def decode_gap(comparisons: Comparisons, case: Case, rule: rules.Rule) -> Verdict:
+def decode_gap(comparisons: Comparisons, case: Case, rule: rules.Rule, level: float | None = None) -> Verdict:
     """The candidate's decode-time log-probs against its prefill of the same ids, within max_gap_kl or
     gap_ratio x the baseline's own gap (not zero on GPUs)."""
     config = comparisons.config
@@ -102,7 +105,8 @@ def decode_gap(comparisons: Comparisons, case: Case, rule: rules.Rule) -> Verdic
         raise GateError(f"{config.path}: decode.limits.max_gap_kl: the engine gave no distributions to "
                         f"compute KL from (KL: {cand.logprobs.kl_kind})")
     outcome = rule.decide(rules.DECODE_GAP, cand.mean_kl, limits.max_gap_kl, base.mean_kl, limits.gap_ratio,
-                    measured_se=base.logprobs.kl_se or 0.0, k_se=limits.limit_se, keys=("max_gap_kl", "gap_ratio"))
+                    measured_se=base.logprobs.kl_se or 0.0, k_se=level_allowance(level, limits.limit_se),
+                    keys=("max_gap_kl", "gap_ratio"))
     notes = [f"candidate decode vs its own prefill: {_figures(cand)}",
              f"baseline decode vs its own prefill (noise floor): {_figures(base)}",
              "KL(decode || prefill) on each model's own greedy continuations; a KV-cache path that prefill-only "
@@ -149,13 +153,14 @@ def length_drift_verdict(comparisons: Comparisons, task: TaskSpec, case: Case, r
                    limit=_task_limit(comparisons, task, outcome.limit_key, getattr(task.limits, outcome.limit_key)))
 
 
-def invalid_rate_verdict(comparisons: Comparisons, task: TaskSpec, case: Case, rule: rules.Rule) -> Verdict:
+def invalid_rate_verdict(comparisons: Comparisons, task: TaskSpec, case: Case, rule: rules.Rule,
+                         level: float | None = None) -> Verdict:
     """The share of answers with nothing parsable under the task's filter, against the baseline's."""
     max_increase = task.limits.max_invalid_increase
     assert max_increase is not None  # the rule is collected only where it is set
     base_rate, cand_rate, floors, questions = comparisons.invalid_rates(case.candidate, task)
     outcome = rule.decide(base_rate, cand_rate, max(floors.values()) if floors else None, questions, max_increase,
-                    task.limits.accuracy_se)
+                          level_allowance(level, task.limits.accuracy_se))
     notes = [f"invalid: no answer under filter {task.filter!r} (lm-eval's \"[invalid]\" or empty); baseline "
              f"{base_rate:.4f}, candidate {cand_rate:.4f}"]
     notes += [f"noise pass {label}: {r:.4f}" for label, r in floors.items()]
@@ -166,14 +171,15 @@ def invalid_rate_verdict(comparisons: Comparisons, task: TaskSpec, case: Case, r
                    tuple(notes + thinking_notes), limit=_task_limit(comparisons, task, outcome.limit_key, max_increase))
 
 
-def truncation_verdict(comparisons: Comparisons, task: TaskSpec, case: Case, rule: rules.Rule) -> Verdict:
+def truncation_verdict(comparisons: Comparisons, task: TaskSpec, case: Case, rule: rules.Rule,
+                       level: float | None = None) -> Verdict:
     """The share of answers the token budget ended (finish_reason "length"), against the baseline's."""
     max_increase = task.limits.max_truncation_increase
     assert max_increase is not None  # the rule is collected only where it is set
     base, cand, floors, questions = comparisons.truncations(case.candidate, task)
     worst = max((len(cut) / questions for cut in floors.values()), default=None)
     outcome = rule.decide(len(base) / questions, len(cand) / questions, worst, questions, max_increase,
-                    task.limits.accuracy_se, len(cand - base), len(base - cand))
+                          level_allowance(level, task.limits.accuracy_se), len(cand - base), len(base - cand))
     budget = f"max_gen_toks = {task.max_gen_toks}" if task.max_gen_toks else "the task's max_gen_toks"
     notes = [f"answers ended by the token budget ({budget}; vLLM's finish_reason \"length\"): baseline "
              f"{len(base)} of {questions}, candidate {len(cand)} ({len(cand - base)} cut in the candidate only); "

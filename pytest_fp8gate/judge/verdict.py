@@ -9,6 +9,8 @@ from ..config.spec import GateConfig
 from ..core.rules import RuleOutcome
 from ..options import display_path
 
+BUDGET = "budget"  # a verdict's details key of its share of the run's false-alarm budget (an addition)
+
 
 @dataclass(frozen=True)
 class Case:

@@ -22,7 +22,7 @@ from ..engines import stack
 from ..judge.commands import compare_logprobs_command, flips_command
 from ..judge.comparisons import Comparisons
 from ..judge.generation_verdicts import SIDE_BY_SIDE
-from ..judge.verdict import Case, Verdict
+from ..judge.verdict import BUDGET, Case, Verdict
 from ..options import display_path
 from ..run.record import PASS_DESCRIPTIONS, BaselineRecord, ModelResult
 from . import plots
@@ -117,6 +117,7 @@ class _Candidate:
         # Outside the table: a skip reason is a sentence, and would make every row that wide.
         lines += [f"Not judged: {case.rule}{f' on {case.task}' if case.task else ''}: {why}" for case, why in unjudged]
         lines += [""] if unjudged else []
+        lines += _budget_lines(self.verdicts)
         lines += _decode_lines(self.verdicts)
         lines += _bucket_lines(self.verdicts)
         lines += self.speed_lines() + [""]
@@ -381,6 +382,28 @@ def write(data: ReportData, path: Path | None) -> list[Path]:
             handle.write(rendered.summary)
         written.append(Path(summary))
     return written
+
+
+def _budget_lines(verdicts: list[Verdict]) -> list[str]:
+    """Each rule's share of the run's false-alarm budget and its power (additions): the p-value and the level
+    it was tested at, and the smallest regression, in the rule's own unit, it catches with 80% power."""
+    rows = []
+    alpha = next((v.details[BUDGET]["run_alpha"] for v in verdicts if BUDGET in v.details), None)
+    for v in verdicts:
+        budget, figures = v.details.get(BUDGET), v.outcome.figures
+        unit = next((label.split(" caught with ")[0] for label, _ in v.outcome.rows if " caught with " in label), "-")
+        power = _number(figures["resolution"]) if "resolution" in figures and figures.get("limit_se", 1.0) else "-"
+        spent = f"{budget['level']:.3g}" if budget else "-" if alpha is None else "none (not a test)"
+        rows.append((v.outcome.rule, v.case.task or "-", "-" if budget is None else f"{budget['p_value']:.3g}",
+                     spent, unit, power))
+    if not rows:
+        return []
+    caught = ("\"caught\" is the smallest true regression, in the rule's unit, this run fails with 80% probability "
+              "(\"-\": no SE measured)")
+    head = (f"False alarms and power (additions): the rules that are tests share run_alpha = {alpha:g} by Holm (a "
+            f"candidate with no real change fails any of them at most that often); {caught}." if alpha is not None
+            else f"Power (an addition): {caught}; no run budget (run_alpha = 0, or no rule is a test).")
+    return [head, "", *table(("rule", "task", "p", "level spent", "unit", "caught"), rows), ""]
 
 
 def _decode_lines(verdicts: list[Verdict]) -> list[str]:
