@@ -15,10 +15,12 @@ from pytest_fp8gate import hardware
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.answers import drop_fails_from, drop_power, flip_ratio_p, paired_drop_p
+from pytest_fp8gate.core.buckets import chunk_positions
 from pytest_fp8gate.core.budget import ACCURACY_SHARE, allowance_se, budget_weights, holm_levels, limit_p
+from pytest_fp8gate.core.logprobs import LogprobRun, compare_logprobs
 from pytest_fp8gate.errors import ConfigError
 from pytest_fp8gate.face import cases, suite
-from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.gate import Gate, positions_note
 from pytest_fp8gate.judge.verdict import BUDGET, Verdict
 from pytest_fp8gate.run.measure import Measurements
 
@@ -196,3 +198,32 @@ def test_under_the_budget_the_good_candidate_passes_every_rule_and_the_bad_fails
 
 def config_alpha(verdicts: dict[tuple[str, str], Verdict]) -> float:
     return next(v.details[BUDGET]["run_alpha"] for v in verdicts.values() if BUDGET in v.details)
+
+
+def test_each_probability_verdict_says_which_positions_it_scored_and_where_its_limit_came_from(budgeted) -> None:
+    notes = budgeted["mean_kl", "good"].notes
+    scored = next(note for note in notes if note.startswith("positions scored: "))
+    assert scored.startswith("positions scored: 1 to 399 of each of 3 chunks of 400 tokens"), scored
+    # write_gate's limits are values typed into the file, so the verdict labels them.
+    assert "probabilities.limits.max_mean_kl is a value from the thresholds file" in scored, scored
+
+
+def test_the_figure_on_llama_cpp_s_positions_is_reported_apart_where_a_bucket_holds_them() -> None:
+    rng = np.random.default_rng(3)
+    chunk, rows = 16, 4 * 15
+    logits = rng.standard_normal((rows, 6))
+
+    def run(noise: float) -> LogprobRun:
+        full = logits + noise * rng.standard_normal(logits.shape)
+        full = full - np.log(np.exp(full).sum(axis=1, keepdims=True))
+        top = np.argsort(-full, axis=1)[:, :3]
+        return LogprobRun(full[:, 0], top, np.take_along_axis(full, top, axis=1), full_logprobs=full)
+
+    comparison = compare_logprobs(run(0.0), run(0.3), chunk_positions(rows, chunk), (8,))
+    second = comparison.bucket("8+")
+    assert second is not None
+    note = positions_note(chunk, comparison, "mean_kl", False, "max_mean_kl")
+    assert f"on which alone (bucket 8+, {second.positions} positions) mean_kl = {second.mean_kl:.6g}" in note, note
+    assert note.endswith("the limit is from a build the gate measured on these same positions, like with like")
+    assert "on which alone" not in positions_note(chunk, compare_logprobs(run(0.0), run(0.3)), "mean_kl", True,
+                                                  "max_mean_kl")

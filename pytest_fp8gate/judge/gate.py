@@ -165,7 +165,7 @@ class Gate:
         assert rule.ideal is not None
         notes += self._reference_notes(rule.name, comparison, rule.ideal, floors)
         notes += generation_verdicts.candidate_noise_notes(self.comparisons, case.candidate)
-        notes.append(positions_note(self.config.probabilities.chunk_tokens, comparison.positions,
+        notes.append(positions_note(self.config.probabilities.chunk_tokens, comparison, rule.name,
                                     getattr(limits, rule.limit_key) is not None, rule.limit_key))
         notes.append(f"{comparison.positions} positions; same top {comparison.same_top:.5f} "
                      f"± {comparison.same_top_se:.5f}, RMS Δp {comparison.rms_dp:.5f}, "
@@ -597,12 +597,18 @@ def power_note(outcome: RuleOutcome, level: float | None) -> str:
             f"{rules.DETECTION_POWER:.0%} probability{at}; a pass does not rule out a smaller regression")
 
 
-def positions_note(chunk_tokens: int, positions: int, typed_limit: bool, limit_key: str) -> str:
-    """Which positions the probability figures score, and whether the limit was measured on the same ones."""
-    chunks = positions // max(chunk_tokens - 1, 1)
-    where = (f"positions scored: 1 to {chunk_tokens - 1} of each of {chunks} chunks of {chunk_tokens} tokens (all "
-             "but the BOS, position 1 seeing only the BOS); llama.cpp's perplexity and KL score only the second "
-             f"half of each window (from {chunk_tokens // 2} here)")
+def positions_note(chunk_tokens: int, comparison: LogprobComparison, metric: str, typed_limit: bool,
+                   limit_key: str) -> str:
+    """Which positions the probability figures score, the figure on llama.cpp's positions alone where a position
+    bucket holds exactly them, and whether the limit was measured on the same positions."""
+    half = chunk_tokens // 2
+    where = (f"positions scored: 1 to {chunk_tokens - 1} of each of {comparison.positions // max(chunk_tokens - 1, 1)} "
+             f"chunks of {chunk_tokens} tokens (all but the BOS, position 1 seeing only the BOS); llama.cpp's "
+             f"perplexity and KL score only the second half of each window (from {half} here)")
+    second = next((b for b in comparison.buckets if b.start == half and (b.end is None or b.end >= chunk_tokens)), None)
+    if second is not None and getattr(second.comparison, metric) is not None:
+        where += (f", on which alone (bucket {second.label}, {second.comparison.positions} positions) {metric} = "
+                  f"{_number(getattr(second.comparison, metric))}")
     if typed_limit:
         return (f"{where}: the limit probabilities.limits.{limit_key} is a value from the thresholds file; one "
                 "taken from llama.cpp's output was measured on those other positions (and its KL is the exact KL), "
