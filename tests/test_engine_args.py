@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
-from pytest_fp8gate.config import engine_args
+from pytest_fp8gate.config import engine_args, vllm_source
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.errors import ConfigError
 from test_thresholds import MINIMAL
@@ -36,7 +36,7 @@ def load(tmp_path: Path, text: str):
 
 def test_the_field_list_is_the_installed_vllms():
     names = {f.name for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_")}
-    assert set(engine_args.engine_fields()) == names
+    assert set(vllm_source.engine_fields()) == names
     # Keys the old allow-list lacked are there: production settings can be expressed.
     assert {"compilation_config", "enable_chunked_prefill", "speculative_config"} <= names
 
@@ -120,16 +120,16 @@ VLLM_USE_V2_MODEL_RUNNER = "0"
     assert gate.candidates[0].env == {"OMP_NUM_THREADS": "2", "VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
-@pytest.mark.parametrize("table, imports", [
-    ("", False),
+@pytest.mark.parametrize("table", [
+    "",
     # The demo's keys: all checked by the gate itself, fields of every supported release.
-    ('[baseline.engine]\ndtype = "bfloat16"\nmax_model_len = 2048\nenforce_eager = true\n'
-     "gpu_memory_utilization = 0.3\n", False),
-    # Reading EngineArgs imports vLLM in the subprocess: about 12 s, so outside the quick loop.
-    pytest.param("[baseline.engine]\nenable_chunked_prefill = false\n", True, marks=pytest.mark.engine),
-], ids=["no engine table", "the gate's own keys", "any other key"])
-def test_vllm_is_imported_only_for_a_key_the_gate_does_not_know(tmp_path, table, imports):
-    """The plugin stays cheap to load: EngineArgs is read only for a key outside the gate's own checks."""
+    '[baseline.engine]\ndtype = "bfloat16"\nmax_model_len = 2048\nenforce_eager = true\ngpu_memory_utilization = 0.3\n',
+    # Keys and variables only the installed vLLM knows: read from its source files (vllm_source.py).
+    '[baseline.engine]\nenable_chunked_prefill = false\nattention_backend = "TRITON_ATTN"\n'
+    'kv_cache_dtype = "fp8"\n[baseline.env]\nVLLM_CPU_KVCACHE_SPACE = "4"\n',
+], ids=["no engine table", "the gate's own keys", "vLLM's own keys and variables"])
+def test_vllm_is_never_imported_to_check_a_file(tmp_path, table):
+    """The plugin and fp8gate check stay cheap: importing vLLM (torch with it) takes 10 s of CPU and more."""
     import subprocess
     import sys
 
@@ -138,10 +138,28 @@ def test_vllm_is_imported_only_for_a_key_the_gate_does_not_know(tmp_path, table,
             "print('vllm' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "thresholds.toml")],
                           capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == str(imports)
+    assert done.stdout.strip() == "False"
+
+
+def test_the_source_reading_agrees_with_the_imported_vllm():
+    """Names from the source are the imported classes' names; an annotation read from the source judges
+    every value as the imported one does, or (where the source names something it cannot give) not at all."""
+    import vllm.envs
+
+    assert vllm_source.env_names() == frozenset(vllm.envs.environment_variables)
+    real = {f.name: f.type for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_")}
+    read = vllm_source.engine_fields()
+    values = [True, 1, 1.5, "x", "auto", "fp8", "FLASH_ATTN", [1], ["a"], {"a": 1}]
+    unread = sorted(key for key, annotation in read.items() if isinstance(annotation, str))
+    assert len(unread) <= 10, f"annotations the source reading left unchecked: {unread}"
+    differ = [(key, value) for key in real if key not in unread for value in values
+              if engine_args.mismatch(real[key], value) != engine_args.mismatch(read[key], value)]
+    assert differ == []
+    assert all(engine_args.string_choices(real[key]) == engine_args.string_choices(read[key])
+               for key in real if key not in unread)
 
 
 def test_the_gates_own_engine_keys_are_fields_of_the_installed_vllm():
     from pytest_fp8gate.config.schema import ENGINE_RANGES
 
-    assert set(ENGINE_RANGES) <= set(engine_args.engine_fields())
+    assert set(ENGINE_RANGES) <= set(vllm_source.engine_fields())

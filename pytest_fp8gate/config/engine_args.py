@@ -2,8 +2,7 @@
 
 ``vllm.LLM(**kwargs)`` builds ``EngineArgs`` from its keywords, so its dataclass
 fields are the names an engine table may use, and their annotations say what
-values vLLM expects. Importing it takes seconds (torch comes with it), so it is
-imported only when a thresholds file has an engine table, once per process.
+values vLLM expects (read from vLLM's source by vllm_source.py, without importing it).
 
 Some names vLLM still accepts do nothing on the engines the gate runs, or were
 removed; others the gate sets itself. Both are refused with the reason, so the
@@ -14,13 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any
-
-from ..errors import UnsupportedEngine
 
 # Accepted by some vLLM releases but without effect on the engines the gate runs.
 REMOVED_OR_IGNORED: Mapping[str, str] = {
@@ -45,26 +41,6 @@ GATE_OWNED: Mapping[str, str] = {
 GATE_VALUES: Mapping[str, tuple[Any, ...]] = {
     "logprobs_mode": ("raw_logprobs", "processed_logprobs"),
 }
-
-
-@functools.cache
-def engine_fields() -> dict[str, Any]:
-    """Name -> annotation of every field of the installed vLLM's ``EngineArgs``."""
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-    except Exception as err:  # not installed, or a broken install: no engine could start either
-        raise UnsupportedEngine(f"{type(err).__name__}: {err}") from None
-    return {field.name: field.type for field in dataclasses.fields(EngineArgs) if not field.name.startswith("_")}
-
-
-@functools.cache
-def vllm_env_names() -> frozenset[str]:
-    """The environment variables the installed vLLM reads (``vllm.envs``)."""
-    try:
-        from vllm import envs
-    except Exception as err:
-        raise UnsupportedEngine(f"{type(err).__name__}: {err}") from None
-    return frozenset(envs.environment_variables)
 
 
 def refusal(key: str, value: Any) -> str | None:

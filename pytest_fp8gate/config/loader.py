@@ -19,7 +19,7 @@ from .. import checkpoint, gpu_bandwidths
 from ..core import protocol
 from ..core.budget import RUN_ALPHA
 from ..errors import CheckpointError, ConfigError, UnsupportedEngine
-from . import checks, engine_args, schema
+from . import checks, engine_args, schema, vllm_source
 from .served import MAX_IN_FLIGHT, REQUEST_DEADLINE_S, endpoint_problem, flag_conflict
 from .spec import (
     CPU_MIN_THROUGHPUT_FRACTION,
@@ -317,7 +317,7 @@ class _Parser:
             if key in schema.ENGINE_RANGES:
                 engine[key] = table.get(key, schema.ENGINE_RANGES[key])
                 continue
-            fields_ = self.vllm_names(table.key(key), engine_args.engine_fields, "the key against vLLM's EngineArgs")
+            fields_ = self.vllm_names(table.key(key), vllm_source.engine_fields, "the key against vLLM's EngineArgs")
             if key not in fields_:
                 raise self.error(table.key(key), "unknown key; " + checks.known(
                     key, fields_, "not a field of the installed vLLM's EngineArgs"))
@@ -347,7 +347,7 @@ class _Parser:
                 raise self.error(table.key(name), f'expected a string (environment values are text: "1", not 1), '
                                                   f"got {checks.show(value)}")
         for name in (name for name in table.raw if name.startswith("VLLM_")):
-            known = self.vllm_names(table.key(name), engine_args.vllm_env_names, "the name against vllm.envs")
+            known = self.vllm_names(table.key(name), vllm_source.env_names, "the name against vllm.envs")
             if name not in known and name in engine_args.REPLACED_ENV:
                 key, flag = engine_args.REPLACED_ENV[name]
                 instead = f"give {flag} {table.raw[name]} in the serve command" if served else \
