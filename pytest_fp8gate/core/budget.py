@@ -60,7 +60,7 @@ def holm_levels(p_values: Mapping[K, float], alpha: float, weights: Mapping[K, f
     the smallest p / weight is tested at alpha x its weight over the weights of the tests left, and on while
     each fails; from the first that passes on, each is tested at its level of that step, so it passes too. A
     test fails exactly when its p is at most its level. Equal weights (the default) give alpha / m, alpha /
-    (m - 1), ... Ties keep the mapping's order."""
+    (m - 1), ... Ties keep the mapping's order; the result is in the order the tests are taken."""
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     weight = {key: 1.0 for key in p_values} if weights is None else {key: weights[key] for key in p_values}

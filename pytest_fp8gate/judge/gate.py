@@ -117,10 +117,9 @@ class Gate:
 
     def _budget_details(self, case: Case) -> dict[str, Any]:
         """The case's share of the run's false-alarm budget: its p-value, rank and level among its family's."""
-        levels = self._levels_of(case)
-        p_values = sorted(self._p_values[member] for member in levels)
+        levels = self._levels_of(case)  # in the order Holm tests them
         return {"run_alpha": self.config.run_alpha, "rules": len(levels), "level": levels[case],
-                "p_value": self._p_values[case], "rank": p_values.index(self._p_values[case]) + 1}
+                "p_value": self._p_values[case], "rank": list(levels).index(case) + 1}
 
     def _budget_note(self, case: Case, budget: dict[str, Any] | None) -> str:
         alpha = self.config.run_alpha
@@ -133,8 +132,8 @@ class Gate:
         level = budget["level"]
         exact = case.rule in (rules.PAIRED_ACCURACY, rules.FLIPS)  # exact tests, not a normal allowance
         return (f"false-alarm budget (an addition): run_alpha = {alpha:g} shared by Holm across this candidate's "
-                f"{budget['rules']} rules that are tests; this rule's p = {budget['p_value']:.3g} ranks "
-                f"{budget['rank']} of {budget['rules']} and it spends level {level:.3g}"
+                f"{budget['rules']} rules that are tests; this rule's p = {budget['p_value']:.3g} is tested "
+                f"{_ordinal(budget['rank'])} of {budget['rules']} and it spends level {level:.3g}"
                 + ("" if exact else f" (an allowance of {allowance_se(level):.3g} SE)")
                 + f": it can fail only where p <= {level:.3g}")
 
@@ -581,6 +580,10 @@ def _load_table(candidate: list[rules.LoadLevel], baseline: list[rules.LoadLevel
             f"{c['ttft_p50']}/{c['ttft_p99']} s; TPOT p50/p99 baseline {b['tpot_p50']}/{b['tpot_p99']} ms, "
             f"candidate {c['tpot_p50']}/{c['tpot_p99']} ms"
             for own, c, b, fraction in rules.shown_level_pairs(candidate, baseline)]
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def power_note(outcome: RuleOutcome, level: float | None) -> str:
