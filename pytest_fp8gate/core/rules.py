@@ -428,7 +428,10 @@ def at_least(
     only when the limit is missed by more than ``k_se`` x ``measured_se``, the SE
     a build with no real change shows (``Rule.against_floors``: the noise floor's).
     ``keys`` name the reference's and the floor ratio's settings; the one that
-    bound is the outcome's ``limit_key``.
+    bound is the outcome's ``limit_key``. ``floor_se``: the floor figure's own SE; where
+    the floor ratio's limit binds, the allowance counts k x sqrt(measured_se^2 + (floor_ratio
+    x floor_se)^2), the limit being an estimate too (an addition). The figures carry the
+    rule's p-value of missing the limit and its resolution (``_with_test``).
     """
     return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, +1, measured_se, k_se,
                     keys, floor_se)
