@@ -64,6 +64,7 @@ LAYOUT_NOISE = 0.002  # a batch layout other than all at once (the batch-order p
 DECODE_NOISE = 0.002
 DECODE_SEED = 22
 POSITION_SEED = 34  # the noise matrix of FakeModel.position_noise
+LORA_SEED, LORA_NOISE = 1000, 0.5  # a LoRA adapter's perturbation: its seed (plus its name's) and its scale
 # SamplingParams fields of vLLM 0.33 that the gate reads (0.26 lacks the last).
 FIELDS_0_33 = ("max_tokens", "prompt_logprobs", "flat_logprobs", "detokenize", "prompt_logprob_token_ids")
 
@@ -210,6 +211,8 @@ class FakeEngine(Engine):
         self.vocab_size = VOCAB
         self._logits = np.roll(_ARCHITECTURE + _noise(self.model.seed) * self.model.logit_noise, self.model.id_shift,
                                axis=1)
+        if spec.lora is not None:  # an adapter moves the logits by a perturbation of its own, as a trained one
+            self._logits = self._logits + _noise(LORA_SEED + zlib.crc32(spec.lora.name.encode()) % 100) * LORA_NOISE
         if dtype in _PRECISION_NOISE:  # a precision noise pass's engine
             self._logits = self._logits + _PRECISION_NOISE[dtype]
         self._dtype = dtype

@@ -15,6 +15,7 @@ import pytest
 
 from pytest_fp8gate.config import schema, spec
 from pytest_fp8gate.config.loader import tomllib
+from pytest_fp8gate.core import protocol
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 REFERENCE = DOCS / "thresholds.md"
@@ -39,6 +40,8 @@ TABLE_KEYS: dict[str, tuple[str, ...]] = {
     "[speed]": tuple(schema.SPEED_CHECKS),
     "[load]": tuple(schema.LOAD_CHECKS),
     "[speculative]": tuple(schema.SPECULATIVE_CHECKS),
+    "lora": schema.LORA_KEYS,
+    "The protocol behind an accuracy": protocol.KEYS,
 }
 
 # The dataclass whose field defaults are the documented defaults of each table.

@@ -9,6 +9,7 @@ a traceback. The schema is documented in docs/thresholds.md.
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from dataclasses import MISSING, fields, replace
@@ -32,6 +33,7 @@ from .spec import (
     FileCorpus,
     GateConfig,
     LoadSpec,
+    LoraSpec,
     ModelSpec,
     NoiseSpec,
     ProbabilityLimits,
@@ -42,7 +44,7 @@ from .spec import (
     TaskLimits,
     TaskSpec,
 )
-from .vllm_names import QUANTIZATION_METHODS
+from .vllm_names import MAX_LORA_RANKS, QUANTIZATION_METHODS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -189,7 +191,7 @@ class _Parser:
         engine = self.engine(table.key("engine"), table.raw.get("engine", {}))
         env = self.env(table.key("env"), table.raw.get("env", {}))
         spec = ModelSpec(name, model, quantization, {**(baseline.engine if baseline else {}), **engine},
-                         {**(baseline.env if baseline else {}), **env})
+                         {**(baseline.env if baseline else {}), **env}, lora=self.lora(table, needs_path=True))
         if baseline is not None and spec == replace(baseline, name=name):
             raise self.error(table.where, "same model, quantization and engine as the baseline; it would gate nothing")
         self.check_local_model(table.key("model"), model, baseline)
@@ -213,6 +215,14 @@ class _Parser:
                 if key in table.raw:
                     raise self.error(table.key(key), f"with serve, {schema.SERVE_INSTEAD[key]}")
             argv, model = self.serve_command(table.key("serve"), table.get("serve", checks.text()))
+            lora = self.lora(table, needs_path=True)
+            if lora is not None:  # served by the line the gate starts, and requested by its name
+                for flag in ("--enable-lora", "--lora-modules", "--max-lora-rank"):
+                    if checks.flag_value(argv, flag, str) is not None or flag in argv:
+                        raise self.error(table.key("serve"), f"{flag}: the gate adds it from lora; leave it out")
+                assert lora.path is not None
+                argv += ["--enable-lora", "--lora-modules", f"{lora.name}={lora.path}",
+                         "--max-lora-rank", str(lora.max_lora_rank)]
             try:
                 engine = {key: value for flag, (key, convert) in schema.SERVE_ENGINE_FLAGS.items()
                           if (value := checks.flag_value(argv, flag, convert)) is not None}
@@ -225,7 +235,7 @@ class _Parser:
                                                      f"{quantization!r}; {hint}")
             online_fp8_at = table.key("serve") + ": --quantization"
             served = ServedSpec(
-                served_model_name=checks.flag_value(argv, "--served-model-name", str) or model,
+                served_model_name=lora.name if lora else checks.flag_value(argv, "--served-model-name", str) or model,
                 command=tuple(argv),
                 health_timeout_s=table.get("health_timeout_s", checks.number(0, low_open=True), 600.0),
                 request_deadline_s=deadline, max_in_flight=in_flight)
@@ -238,6 +248,7 @@ class _Parser:
             if problem:
                 raise self.error(table.key("endpoint"), problem)
             served_name = table.get("served_model_name", checks.text())
+            lora = self.lora(table, needs_path=False)  # the endpoint serves it; a local copy is hashed
             key_env = table.get("api_key_env", checks.text(), None)
             if key_env is not None and not checks.ENV_NAME.fullmatch(key_env):
                 raise self.error(table.key("api_key_env"), f"expected the name of an environment variable "
@@ -247,16 +258,42 @@ class _Parser:
             quantization = table.get("quantization", schema.QUANTIZATION, "") or None
             online_fp8_at = table.key("quantization")
             engine = {}
-            served = ServedSpec(served_model_name=served_name, endpoint=endpoint.rstrip("/"), api_key_env=key_env,
+            served = ServedSpec(served_model_name=lora.name if lora else served_name, endpoint=endpoint.rstrip("/"),
+                                api_key_env=key_env,
                                 request_deadline_s=deadline, max_in_flight=in_flight)
         # A served model's env is its own, like its command (not merged over the baseline's).
         env = self.env(table.key("env"), table.raw.get("env", {}), served=True) if served.managed else {}
-        spec = ModelSpec(name, model, quantization, engine, env, served)
+        spec = ModelSpec(name, model, quantization, engine, env, served, lora)
         if baseline is not None and (baseline.served, dict(baseline.env)) == (served, env):
             raise self.error(table.where, "the same server as the baseline; it would gate nothing")
         self.check_local_model(table.key("serve" if served.managed else "model"), model, baseline)
         self.check_online_fp8(online_fp8_at, quantization, model, baseline)
         return spec
+
+    def lora(self, table: _Table, needs_path: bool) -> LoraSpec | None:
+        """``lora = { name, path }``: a PEFT adapter directory (adapter_config.json and its weights); ``path``
+        may be left out only for an endpoint, which serves the adapter itself."""
+        if "lora" not in table.raw:
+            return None
+        lora = _Table(self, table.key("lora"), table.raw["lora"], schema.LORA_KEYS)
+        name = lora.get("name", checks.text())
+        given = lora.get("path", checks.text(), MISSING if needs_path else None)
+        if given is None:
+            return LoraSpec(name, None)
+        path = self.directory(lora.key("path"), given)
+        assert path is not None
+        try:
+            adapter = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
+            rank = adapter["r"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise self.error(lora.key("path"), f"{path}: not a PEFT LoRA adapter (adapter_config.json with "
+                                               f"its rank r: {err})") from None
+        if not isinstance(rank, int) or not 0 < rank <= MAX_LORA_RANKS[-1]:
+            raise self.error(lora.key("path"), f"{path / 'adapter_config.json'}: r = {rank!r}, expected an "
+                                               f"integer rank from 1 to {MAX_LORA_RANKS[-1]} (vLLM's largest)")
+        if not any((path / weights).is_file() for weights in ("adapter_model.safetensors", "adapter_model.bin")):
+            raise self.error(lora.key("path"), f"{path}: no adapter_model.safetensors (or .bin)")
+        return LoraSpec(name, path, rank)
 
     def serve_command(self, where: str, command: str) -> tuple[list[str], str]:
         """``vllm serve MODEL [flags]`` -> (the argv after ``vllm``, model path resolved; the model)."""

@@ -82,7 +82,8 @@ ENGINE_RANGES: dict[str, Check] = {
 # Set by the gate itself for the whole process (deterministic_scheduling), not per engine.
 GATE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "set by the gate from deterministic_scheduling"}
 QUANTIZATION = vllm_name("quantization method", QUANTIZATION_METHODS, allow_empty=True)
-MODEL_KEYS = ("name", "model", "quantization", "engine", "env", *SERVED_ONLY_KEYS)
+MODEL_KEYS = ("name", "model", "quantization", "engine", "env", "lora", *SERVED_ONLY_KEYS)
+LORA_KEYS = ("name", "path")
 DATASET_CHECKS = {"dataset": text(), "name": text(), "split": text(), "column": text()}
 PROBABILITY_CHECKS = {
     "chunks": integer(1),

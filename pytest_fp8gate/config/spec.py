@@ -16,6 +16,7 @@ from ..core.budget import RUN_ALPHA
 from ..core.protocol import CHAT_TEMPLATE, COMPLETIONS
 from ..core.rules import RULES, SHARE_OF_BASELINE
 from .served import MAX_IN_FLIGHT, REQUEST_DEADLINE_S
+from .vllm_names import MAX_LORA_RANKS
 
 
 # --- served models (issue 20) ----------------------------------------------------------
@@ -43,6 +44,21 @@ class ServedSpec:
 
 
 @dataclass(frozen=True)
+class LoraSpec:
+    """A PEFT LoRA adapter applied on every request to the model: vLLM's LoRARequest in-process, the adapter's
+    name as the requested model when served."""
+
+    name: str
+    path: Path | None  # absolute: the adapter directory; None: an endpoint's adapter, known by its name only
+    rank: int = 0  # adapter_config.json's r; 0 where there is no path
+
+    @property
+    def max_lora_rank(self) -> int:
+        """vLLM's max_lora_rank for this adapter: the smallest rank vLLM accepts that holds it."""
+        return next(rank for rank in MAX_LORA_RANKS if rank >= self.rank)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str  # id used in test ids
     model: str  # Hugging Face id, or an absolute local path
@@ -53,10 +69,13 @@ class ModelSpec:
     # server's included; in-process, a candidate's table merged over the baseline's, like ``engine``.
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
     served: ServedSpec | None = None  # issue 20: None runs the model in-process (vllm.LLM)
+    lora: LoraSpec | None = None  # an adapter on every request; None: the model alone
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for vllm.LLM (a fresh dict each call)."""
-        return {"model": self.model, "quantization": self.quantization, **self.engine}
+        lora = {} if self.lora is None else {"enable_lora": True, "max_lora_rank": self.lora.max_lora_rank,
+                                             "max_loras": 1}
+        return {"model": self.model, "quantization": self.quantization, **self.engine, **lora}
 
 
 # The noise passes a thresholds file may ask for (measure.py runs them, record.py describes them).

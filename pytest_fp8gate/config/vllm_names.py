@@ -1,9 +1,10 @@
-"""Names vLLM accepts for ``quantization`` and ``kv_cache_dtype``, and the model types it refuses to run in
-float16, checked before any engine starts.
+"""Names vLLM accepts for ``quantization`` and ``kv_cache_dtype``, the LoRA ranks it accepts, and the model
+types it refuses to run in float16, checked before any engine starts.
 
 Copied from vLLM (``QuantizationMethods`` in
 ``vllm/model_executor/layers/quantization/__init__.py``, ``CacheDType`` in
-``vllm/config/cache.py`` and ``_FLOAT16_NOT_SUPPORTED_MODELS`` in ``vllm/config/model.py``) because
+``vllm/config/cache.py``, ``MaxLoRARanks`` in ``vllm/config/lora.py`` and ``_FLOAT16_NOT_SUPPORTED_MODELS`` in
+``vllm/config/model.py``) because
 importing vLLM takes seconds and pulls in torch at every pytest start; tests/test_vllm_names.py fails when the installed
 vLLM's lists differ, so a vLLM upgrade updates them here.
 """
@@ -23,6 +24,9 @@ KV_CACHE_DTYPES: tuple[str, ...] = (
     "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "ultraquant_4bit",
     "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6",
 )  # fmt: skip
+
+# The max_lora_rank values vLLM accepts.
+MAX_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 # config.json model_type -> vLLM's reason for refusing dtype float16 (its ValueError at engine start).
 FLOAT16_REFUSED: dict[str, str] = {

