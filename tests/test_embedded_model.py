@@ -18,7 +18,6 @@ from pytest_fp8gate.tools.cli import main as fp8gate_main
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
 pytestmark = pytest.mark.engine
-pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

@@ -6,16 +6,22 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from vllm.engine.arg_utils import EngineArgs
 
 from pytest_fp8gate.config import engine_args, vllm_source
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.errors import ConfigError
 from test_thresholds import MINIMAL
 
-# EngineArgs imported above, before any test runs: pytester's in-process runs unload the modules they import,
-# and vLLM's operators cannot be registered a second time (see test_load.py).
 MODELS = MINIMAL
+
+
+@pytest.fixture(scope="module")
+def vllm_engine_fields() -> dict[str, object]:
+    """The installed vLLM's EngineArgs fields and their annotations. Importing vLLM takes seconds of CPU: only
+    the tests that compare against it pay for it, once (on one worker under pytest-xdist)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name: f.type for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_")}
 
 
 def error_of(tmp_path: Path, text: str) -> str:
@@ -34,8 +40,8 @@ def load(tmp_path: Path, text: str):
     return load_config(path)
 
 
-def test_the_field_list_is_the_installed_vllms():
-    names = {f.name for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_")}
+def test_the_field_list_is_the_installed_vllms(vllm_engine_fields):
+    names = set(vllm_engine_fields)
     assert set(vllm_source.engine_fields()) == names
     # Keys the old allow-list lacked are there: production settings can be expressed.
     assert {"compilation_config", "enable_chunked_prefill", "speculative_config"} <= names
@@ -141,13 +147,13 @@ def test_vllm_is_never_imported_to_check_a_file(tmp_path, table):
     assert done.stdout.strip() == "False"
 
 
-def test_the_source_reading_agrees_with_the_imported_vllm():
+def test_the_source_reading_agrees_with_the_imported_vllm(vllm_engine_fields):
     """Names from the source are the imported classes' names; an annotation read from the source judges
     every value as the imported one does, or (where the source names something it cannot give) not at all."""
     import vllm.envs
 
     assert vllm_source.env_names() == frozenset(vllm.envs.environment_variables)
-    real = {f.name: f.type for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_")}
+    real = vllm_engine_fields
     read = vllm_source.engine_fields()
     values = [True, 1, 1.5, "x", "auto", "fp8", "FLASH_ATTN", [1], ["a"], {"a": 1}]
     unread = sorted(key for key, annotation in read.items() if isinstance(annotation, str))

@@ -21,7 +21,6 @@ from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
 
 pytestmark = pytest.mark.engine
-pytest.importorskip("vllm")
 
 RULES = ("test_same_top_near_baseline", "test_rms_dp_within_limit", "test_ppl_ratio_within_limit",
          "test_kl_within_limit")

@@ -9,9 +9,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch  # noqa: F401
-import transformers  # noqa: F401
-import vllm.envs  # noqa: F401
 
 from fake_endpoint import FakeEndpoint, Knobs
 from pytest_fp8gate.config.loader import load_config
@@ -22,8 +19,6 @@ from pytest_fp8gate.engines.load import bench_prompt_ids
 from pytest_fp8gate.errors import CacheEntryError, ConfigError
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
-# torch, transformers and vllm.envs (which the loader reads for env names) imported above, in this process:
-# pytester's in-process runs unload what they import, and torch cannot be imported a second time.
 MODEL = embedded_assets().model.as_posix()
 LOAD = """
 [load]

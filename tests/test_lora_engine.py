@@ -18,7 +18,6 @@ from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from test_lora import write_adapter
 
 pytestmark = pytest.mark.engine
-pytest.importorskip("vllm")
 
 ENGINE = 'engine = { dtype = "bfloat16", max_model_len = 1024, enforce_eager = true, ' \
          'kv_cache_memory_bytes = 268435456, seed = SEED }'

@@ -16,7 +16,6 @@ from pytest_fp8gate.judge.verdict import Case
 from pytest_fp8gate.run.measure import Measurements
 
 pytestmark = pytest.mark.engine
-pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import position_buckets  # noqa: E402
 

@@ -3,19 +3,10 @@ that remain after -k/-m deselection, and a failing rule prints its explanation."
 
 from __future__ import annotations
 
-import datasets  # noqa: F401
-import lm_eval.evaluator  # noqa: F401
-import lm_eval.tasks  # noqa: F401
 import pytest
-import torch  # noqa: F401
-import transformers  # noqa: F401
 
 from fakes import MODELS, FakeEngine, fake_engine_class, write_gate
 from pytest_fp8gate.face.session import run_state
-
-# Imported above, in this process, what lm-eval imports when it runs: pytester's in-process runs
-# unload what they import, and neither datasets (pyarrow keeps its extension types) nor torch
-# can be imported a second time (transformers only takes seconds to).
 
 
 class UseEngine:

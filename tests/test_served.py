@@ -12,12 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-import lm_eval.evaluator  # noqa: F401
 import numpy as np
 import psutil
 import pytest
-import torch  # noqa: F401
-import transformers  # noqa: F401
 
 from fake_endpoint import FakeEndpoint, Knobs
 from pytest_fp8gate.config.loader import load_config
@@ -27,9 +24,6 @@ from pytest_fp8gate.engines.http_client import EndpointClient
 from pytest_fp8gate.errors import ConfigError, EndpointError
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
-# torch, transformers and lm-eval imported above, in this process: pytester's in-process runs unload what
-# they import, torch cannot be imported a second time (see test_selection.py), and an lm-eval imported
-# anew breaks the gate's adapter class for the test files after this one (not an lm_eval.api.model.LM).
 MODEL = embedded_assets().model.as_posix()
 SERVE = f"vllm serve {MODEL} --dtype bfloat16 --max-model-len 2048"
 GATE = """device = "cpu"

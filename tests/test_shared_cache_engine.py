@@ -14,7 +14,6 @@ from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from test_shared_cache import STARTED, baseline_starts, finish, output, start, whole_entry
 
 pytestmark = pytest.mark.engine
-pytest.importorskip("vllm")
 
 ENGINE = ('dtype = "bfloat16", max_model_len = 1024, enforce_eager = true, kv_cache_memory_bytes = 268435456, '
           "seed = {seed}")

@@ -22,7 +22,6 @@ from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
 
 pytestmark = pytest.mark.engine
-pytest.importorskip("vllm")
 psutil = pytest.importorskip("psutil")
 
 START_TIMEOUT_S = 420  # a loaded 2-core machine

