@@ -207,3 +207,30 @@ def test_a_baseline_without_safetensors_weights_is_named_before_any_candidate(tm
         with pytest.raises(MeasurementError, match=r"reference q8_0: .*bin-model: no \*\.safetensors weights"):
             measurements.record()
     assert [call[1] for call in engine_class.calls if call[0] == "start"] == ["bf16", "bf16"]  # no candidate's
+
+
+def test_a_bucket_rule_reads_its_limit_from_the_reference_s_same_bucket(tmp_path: Path):
+    """Early and late positions differ for every build: a bucket is held to the reference's figure on that
+    bucket, not on the whole chunk. The fake reference departs from the baseline only past position 300."""
+    from pytest_fp8gate.core import rules
+    from pytest_fp8gate.judge.verdict import Case
+    from pytest_fp8gate.run.record import Needs
+
+    models = {**MODELS, "bf16-reference-q8_0": FakeModel(position_noise=0.05, position_onset=300, seed=5)}
+    engine_class = fake_engine_class(models)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hardware, "probe_cuda", lambda: hardware.CudaProbe((), "faked by the test"))
+        config = load_config(write_gate(tmp_path, lambda text: text.replace(
+            LIMITS, '[probabilities.limits]\nreference = "q8_0"\nper_bucket = true\n').replace(
+            "top_k = 5\n", "top_k = 5\nbucket_edges = [300]\nmin_bucket_positions = 50\n"), task=False))
+        gate = Gate(config, Measurements(config, tmp_path / "artifacts", {n: Needs(probabilities=True) for n in MODELS},
+                                         lambda line: None, None, engine_class))
+        verdict = gate.evaluate(Case(rules.BUCKET_PREFIX + "mean_kl", "bad"))
+    bucket = verdict.outcome.figures["bucket_start"]
+    reference = gate.comparisons.references()["q8_0"]
+    label = next(b.label for b in reference.buckets if b.start == bucket)
+    rows = dict(verdict.outcome.rows)
+    assert rows[f"reference q8_0 on this model, bucket {label}"] == reference.bucket(label).mean_kl
+    # The reference's buckets differ (nothing changed before 300), so the whole chunk's figure would not do.
+    early, late = (b.comparison.mean_kl for b in reference.buckets)
+    assert early < late / 10

@@ -192,7 +192,7 @@ class Gate:
                              f"probabilities.min_bucket_positions = {spec.min_bucket_positions})")
                 continue
             same = {label: c for label, floor in floors.items() if (c := floor.bucket(bucket.label)) is not None}
-            outcome, floor_values = self._bounded(rule, metric, bucket.comparison, same, k)
+            outcome, floor_values = self._bounded(rule, metric, bucket.comparison, same, k, bucket.label)
             judged.append((bucket, outcome))
             worst_floor = "; ".join(f"{label} {_number(v)}" for label, v in floor_values.items()) or "none"
             notes.append(f"bucket {bucket.label}: {n} positions, {metric} = {_number(outcome.measured)} "
@@ -216,9 +216,11 @@ class Gate:
                                          {"bucket": bucket.label}, (spec.chunk_tokens, spec.bucket_edges))
 
     def _bounded(self, rule: rules.Rule, metric: str, comparison: LogprobComparison,
-                 floors: Mapping[str, LogprobComparison], k: float) -> tuple[RuleOutcome, dict[str, Any]]:
+                 floors: Mapping[str, LogprobComparison], k: float, bucket: str | None = None
+                 ) -> tuple[RuleOutcome, dict[str, Any]]:
         """A probability rule's outcome on ``comparison``'s figure ``metric`` against the worst of ``floors``'
-        (the limit and floor_ratio of [probabilities.limits]), allowing ``k`` SEs, and each floor's figure."""
+        (the limit and floor_ratio of [probabilities.limits]), allowing ``k`` SEs, and each floor's figure;
+        ``bucket``: the position bucket judged, whose limit a reference build sets from that same bucket."""
         assert self.config.probabilities is not None
         limits = self.config.probabilities.limits
         if getattr(comparison, metric) is None:
@@ -227,7 +229,7 @@ class Gate:
                 f"compute {metric} from (KL: {comparison.kl_kind}); remove the limit or use full_vocab/top_k"
             )
         limit, limit_key = getattr(limits, rule.limit_key), None
-        reference = self._reference_limit(rule, metric)
+        reference = self._reference_limit(rule, metric, bucket)
         if reference is not None:
             limit, limit_key, rows = reference
         outcome, floor_values = rule.against_floors(metric, comparison, floors, limit, limits.floor_ratio_for(metric),
@@ -236,19 +238,24 @@ class Gate:
             outcome = dataclasses.replace(outcome, rows=(*rows, *outcome.rows[1:]))
         return outcome, floor_values
 
-    def _reference_limit(self, rule: rules.Rule, metric: str) -> tuple[float, str, tuple[rules.Row, ...]] | None:
+    def _reference_limit(self, rule: rules.Rule, metric: str, bucket: str | None = None
+                         ) -> tuple[float, str, tuple[rules.Row, ...]] | None:
         """The limit a factor over the reference build sets (an addition): the reference's distance from the
-        ideal, measured on this model, times the factor; with its setting's key and display rows. None where
-        the metric's limit is a value."""
+        ideal, measured on this model (on the position bucket ``bucket`` alone where one is judged, since early
+        and late positions differ for every build), times the factor; with its setting's key and display rows.
+        None where the metric's limit is a value."""
         assert self.config.probabilities is not None and rule.ideal is not None
         limits = self.config.probabilities.limits
         factor = limits.reference_ratio_for(metric)
         if factor is None or getattr(limits, rule.limit_key) is not None:
             return None
         assert limits.reference is not None  # a factor exists only beside a reference
-        value = getattr(self.comparisons.references()[limits.reference], metric)
+        measured = self.comparisons.references()[limits.reference]
+        same_bucket = None if bucket is None else measured.bucket(bucket)
+        value = getattr(measured if same_bucket is None else same_bucket, metric)
         limit = rule.limit_over(value, factor)
-        rows = ((f"reference {limits.reference} on this model", value),
+        where = "" if same_bucket is None else f", bucket {bucket}"
+        rows = ((f"reference {limits.reference} on this model{where}", value),
                 (f"{factor:g} x its distance from {rule.ideal:g}", limit))
         return limit, f"reference_ratio.{metric}", rows
 
