@@ -14,7 +14,6 @@ limit_se 1, KL at most 20 x the noise floor), then against the Q8_0 row alone.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import platform
 import sys
 import tempfile
@@ -22,87 +21,15 @@ import time
 from pathlib import Path
 
 from pytest_fp8gate.atomic import atomic_write_text
-from pytest_fp8gate.config.loader import load_config
-from pytest_fp8gate.config.spec import GateConfig
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.logprobs import LogprobComparison
 from pytest_fp8gate.face.cases import needs_of
 from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.verdict import Case
 from pytest_fp8gate.run.measure import Measurements
-from pytest_fp8gate.tools.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.demo.rope_plant import CHECKPOINT_THETA, PLANTS, gate_config, q8_row_only
 
-CHECKPOINT_THETA = 10000.0  # the embedded model's rope_parameters.rope_theta
-PLANTS = (10700.0, 11500.0)
 METRICS = ("same_top", "rms_dp", "mean_kl", "ppl_ratio")
-
-CONFIG = """
-device = "cpu"
-deterministic_scheduling = {deterministic}
-
-[baseline]
-name = "bf16"
-model = "{model}"
-[baseline.engine]
-dtype = "bfloat16"
-max_model_len = 2048
-enforce_eager = true
-kv_cache_memory_bytes = 1073741824
-
-[noise]
-passes = {passes}
-
-[probabilities]
-corpus = "{corpus}"
-chunks = 2
-chunk_tokens = 2000
-top_k = 20
-full_vocab = true
-[probabilities.limits]
-per_bucket = true
-min_same_top = 0.97674
-max_rms_dp = 0.01198
-max_mean_kl = 0.001355
-max_ppl_ratio = 1.000425
-limit_se = 1.0
-floor_ratio = {{ mean_kl = 20 }}
-"""
-CANDIDATE = """
-[[candidates]]
-name = "{name}"
-model = "{model}"
-[candidates.engine]
-dtype = "bfloat16"
-max_model_len = 2048
-enforce_eager = true
-kv_cache_memory_bytes = 1073741824
-hf_overrides = {{ rope_parameters = {{ rope_theta = {theta}, rope_type = "default" }} }}
-"""
-
-
-def candidate_name(theta: float) -> str:
-    return "rope-null" if theta == CHECKPOINT_THETA else f"rope-theta-{theta:g}"
-
-
-def gate_config(directory: Path, thetas: tuple[float, ...] = (CHECKPOINT_THETA, *PLANTS),
-                passes: str = '["batch-order", "fp16"]', deterministic: bool = True) -> GateConfig:
-    """The thresholds file above with one candidate per RoPE base in ``thetas``, loaded. ``deterministic``
-    runs the engines in this process (vLLM allows that only before any child-process engine started here)."""
-    assets = embedded_assets()
-    text = CONFIG.format(model=assets.model.as_posix(), corpus=assets.corpus.as_posix(), passes=passes,
-                         deterministic=str(deterministic).lower())
-    for theta in thetas:
-        text += CANDIDATE.format(name=candidate_name(theta), model=assets.model.as_posix(), theta=theta)
-    path = directory / "thresholds.toml"
-    path.write_text(text)
-    return load_config(path)
-
-
-def q8_row_only(config: GateConfig) -> GateConfig:
-    """The same limits without floor_ratio: llama.cpp's Q8_0 row alone."""
-    assert config.probabilities is not None
-    limits = dataclasses.replace(config.probabilities.limits, floor_ratio=None)
-    return dataclasses.replace(config, probabilities=dataclasses.replace(config.probabilities, limits=limits))
 
 
 def bucket_table(title: str, comparison: LogprobComparison) -> list[str]:

@@ -58,6 +58,7 @@ from pytest_fp8gate.core.answers import (
     flip_rule_power,
     pooled_floor,
 )
+from pytest_fp8gate.core.bounds import upper_bound
 from pytest_fp8gate.core.buckets import chunk_positions
 from pytest_fp8gate.core.budget import level_allowance, run_levels
 from pytest_fp8gate.core.dumps import read_lm_eval_samples
@@ -69,8 +70,9 @@ from pytest_fp8gate.run.lm_adapter import run_task, task_manager
 from pytest_fp8gate.run.measure import BATCH_ORDER
 from pytest_fp8gate.run.reference_builds import bf16_reround, write_build, write_transformed
 from pytest_fp8gate.tools.demo.deploy_faults import DEPLOY_FAULTS
-from pytest_fp8gate.tools.demo.planting import Recipe, fp8_round_trip, is_projection, plant
+from pytest_fp8gate.tools.demo.planting import is_projection, plant
 from pytest_fp8gate.tools.demo.run import DEMO_MODELS, toml_text
+from pytest_fp8gate.tools.demo.study_builds import gaussian, stretched
 
 STRETCHES = (5e3, 1e4, 2e4, 3e4)  # 2e4 is the shipped `mild` plant
 PLANTS = ("noscale", "outlier", "mild")
@@ -101,22 +103,6 @@ class Figures:
     @property
     def failed(self) -> list[str]:
         return [rule for rule, outcome in self.verdicts.items() if not outcome.passed]
-
-
-def gaussian(size: float, seed: int = 0) -> Callable[[torch.Tensor], torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-
-    def transform(weight: torch.Tensor) -> torch.Tensor:
-        w = weight.to(torch.float32)
-        rms = float(w.pow(2).mean().sqrt())
-        return (w + size * rms * torch.randn(w.shape, generator=generator)).to(weight.dtype)
-
-    return transform
-
-
-def stretched(stretch: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    recipe = Recipe(f"stretch {stretch:g}", stretch=stretch, restore_outlier=True)
-    return lambda weight: fp8_round_trip(recipe, weight)
 
 
 def run_engine(spec: ModelSpec, config: GateConfig, manager: Any, orders: dict[str, BatchLayout], scratch: Path,
@@ -255,17 +241,6 @@ def print_rates(label: str, figures: list[Figures]) -> None:
             else ""
         print(f"{label} per run (any of {', '.join(r for r in names if r != other)} failed; {flip_rule} flip rule): "
               f"{failed}/{n}{bound}")
-
-
-def upper_bound(failures: int, trials: int, confidence: float = 0.95) -> float:
-    """One-sided Clopper-Pearson upper bound of a rate seen failures times in trials."""
-    def cdf(p: float) -> float:
-        return sum(math.comb(trials, i) * p**i * (1 - p) ** (trials - i) for i in range(failures + 1))
-    low, high = failures / trials, 1.0
-    for _ in range(50):
-        middle = (low + high) / 2
-        low, high = (middle, high) if cdf(middle) > 1 - confidence else (low, middle)
-    return high
 
 
 def print_reference_factors(figures: list[Figures], floors: list[LogprobComparison],

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import fp8_error_budget as budget  # noqa: E402
+from pytest_fp8gate.tools.demo.fp8_emulation import Fp8Emulation, e4m3_round  # noqa: E402
 
 
 def test_e4m3_rounding_keeps_each_rows_peak_and_three_mantissa_bits():
     weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 64)[:, None]
-    rounded = budget.e4m3_round(weight, dim=1)
+    rounded = e4m3_round(weight, dim=1)
     peaks = weight.abs().argmax(dim=1)
     rows = torch.arange(64)
     assert torch.allclose(rounded[rows, peaks], weight[rows, peaks], rtol=1e-6)
@@ -39,7 +35,7 @@ def test_emulation_switches_only_the_chosen_layers_and_restores_them():
     model = TwoLayers()
     x = torch.randn(4, 32)
     exact = model(x)
-    emulation = budget.Fp8Emulation(model)
+    emulation = Fp8Emulation(model)
     emulation.apply(["up_proj"], weights=True, inputs=False)
     assert not torch.equal(model.up_proj.weight, emulation.original["up_proj"])
     assert torch.equal(model.down_proj.weight, emulation.original["down_proj"])

@@ -5,7 +5,6 @@ benchmarks/position_buckets.py prints the same figures for more plants (benchmar
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,19 +13,18 @@ from pytest_fp8gate.face.cases import needs_of
 from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.verdict import Case
 from pytest_fp8gate.run.measure import Measurements
+from pytest_fp8gate.tools.demo import rope_plant
 
 pytestmark = pytest.mark.engine
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import position_buckets  # noqa: E402
 
 PLANT = 11500.0
 
 
 def test_a_rope_base_plant_is_caught_by_its_bucket_and_missed_by_the_whole_chunk(tmp_path: Path) -> None:
-    config = position_buckets.q8_row_only(position_buckets.gate_config(
-        tmp_path, (position_buckets.CHECKPOINT_THETA, PLANT), passes='["batch-order"]',
+    config = rope_plant.q8_row_only(rope_plant.gate_config(
+        tmp_path, (rope_plant.CHECKPOINT_THETA, PLANT), passes='["batch-order"]',
         deterministic=False))  # child-process engines: earlier tests of the session may have started some
-    null, plant = (position_buckets.candidate_name(t) for t in (position_buckets.CHECKPOINT_THETA, PLANT))
+    null, plant = (rope_plant.candidate_name(t) for t in (rope_plant.CHECKPOINT_THETA, PLANT))
     cases = [Case(rule, name) for rule in ("mean_kl", "bucket_mean_kl") for name in (null, plant)]
     gate = Gate(config, Measurements(config, tmp_path / "artifacts", needs_of(cases), lambda line: None))
     verdicts = {(case.rule, case.candidate): gate.evaluate(case) for case in cases}

@@ -21,13 +21,11 @@ from pytest_fp8gate.run.baseline_cache import verify
 
 CONFTEST = """
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, {tests!r})
 from fakes import MODELS, fake_engine_class
 from pytest_fp8gate.face.session import run_state
 
@@ -37,7 +35,7 @@ HERE = Path(__file__).parent
 class Paused(fake_engine_class(MODELS)):
     def prompt_logprobs(self, *args, **kwargs):
         if os.environ.get("FP8GATE_TEST_PAUSE") and self.spec.name == "bf16" and not (HERE / "release").exists():
-            (HERE / f"measuring-{{os.getpid()}}").touch()
+            (HERE / f"measuring-{os.getpid()}").touch()
             while not (HERE / "release").exists():
                 time.sleep(0.05)
         return super().prompt_logprobs(*args, **kwargs)
@@ -56,7 +54,7 @@ STARTED: list[subprocess.Popen] = []
 @pytest.fixture
 def workdir(tmp_path: Path):
     write_gate(tmp_path, task=False)  # 5 rules a candidate: "good" passes them, "bad" fails them
-    (tmp_path / "conftest.py").write_text(CONFTEST.format(tests=str(Path(__file__).parent)))
+    (tmp_path / "conftest.py").write_text(CONFTEST)
     yield tmp_path
     while STARTED:  # a gate a failed assertion left paused
         gate = STARTED.pop()
@@ -67,7 +65,9 @@ def workdir(tmp_path: Path):
 
 def start(workdir: Path, label: str, *args: str, pause: bool = True) -> subprocess.Popen:
     """A gate in its own process; ``pause``: its baseline engine waits in its first pass for the test's release."""
-    env = dict(checkout_env(), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTEST_ADDOPTS="", PYTHONUNBUFFERED="1",
+    env = checkout_env()
+    tests = os.pathsep.join([str(Path(__file__).parent), env["PYTHONPATH"]])  # the conftest imports fakes
+    env = dict(env, PYTHONPATH=tests, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTEST_ADDOPTS="", PYTHONUNBUFFERED="1",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", FP8GATE_TEST_PAUSE="1" if pause else "")
     with open(workdir / f"{label}.txt", "w") as output:  # a file, not a pipe: the gates run at once
         STARTED.append(subprocess.Popen([sys.executable, "-m", "pytest", "thresholds.toml", "-p", "fp8gate", "-p",
