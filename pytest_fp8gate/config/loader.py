@@ -291,6 +291,10 @@ class _Parser:
         if not isinstance(rank, int) or not 0 < rank <= MAX_LORA_RANKS[-1]:
             raise self.error(lora.key("path"), f"{path / 'adapter_config.json'}: r = {rank!r}, expected an "
                                                f"integer rank from 1 to {MAX_LORA_RANKS[-1]} (vLLM's largest)")
+        if "lm_head" in (adapter.get("target_modules") or ()):
+            raise self.error(lora.key("path"), f"{path}: the adapter trains lm_head, whose delta vLLM leaves out of "
+                                               "prompt log-probs (vllm#51594): the gate would score another "
+                                               "distribution than the one served")
         if not any((path / weights).is_file() for weights in ("adapter_model.safetensors", "adapter_model.bin")):
             raise self.error(lora.key("path"), f"{path}: no adapter_model.safetensors (or .bin)")
         return LoraSpec(name, path, rank)
