@@ -23,8 +23,8 @@ from ..core.rules import RuleOutcome
 from ..errors import Fp8GateError, GateError, RooflineError
 from ..run.record import PASS_DESCRIPTIONS, ModelResult
 from . import generation_verdicts
-from .commands import compare_logprobs_command, flips_command, roofline_command
 from .comparisons import Comparisons, Records
+from .recompute import compare_logprobs_command, flips_command, roofline_command
 from .verdict import BUDGET, Case, Verdict, limit_setting
 from .verdict import number as _number
 

@@ -20,8 +20,8 @@ from ..core.decode_phase import DecodeComparison
 from ..core.logprobs import LogprobComparison
 from ..errors import GateError
 from ..run.record import DECODE_DUMP, ON_BASELINE_DUMP, PREFILL_DUMP
-from .commands import fp8gate_command
 from .comparisons import BASELINE_GAP, Comparisons
+from .recompute import fp8gate_command
 from .verdict import Case, Verdict, limit_setting
 
 SIDE_BY_SIDE = "side_by_side"  # the verdict's details key holding the decode/prefill line of the report
