@@ -13,6 +13,7 @@ start where bytecode is not cached.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,8 @@ _INI_KEYS = ("fp8gate_config", "fp8gate_require_gpu", "fp8gate_artifacts", "fp8g
              "fp8gate_allow_no_rules", "fp8gate_compile_cache", "fp8gate_cache_wait")
 _OPTION_DESTS = (*_INI_KEYS, "fp8gate_update_baseline", "fp8gate_request_deadline", "fp8gate_candidate",
                  "fp8gate_baseline_only")
+_JSON_REPORT_MISSING = ("--json-report needs pytest-json-report, which is not installed (pip install "
+                        "'pytest-fp8gate[json]'); this run writes no JSON report")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -106,6 +109,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="Whole-request deadline of every served model's requests, streams included, over each model's "
         "request_deadline_s (default 600)",
     )
+    if not _json_report_installed():
+        # Its options stand in for the optional plugin's, so a run that asks for the JSON report still runs
+        # and is told once what is missing (pytest_configure) instead of stopping at an unknown option.
+        group.addoption("--json-report", action="store_true", help=f"(fp8gate) {_JSON_REPORT_MISSING}")
+        group.addoption("--json-report-file", metavar="PATH", help="(fp8gate) see --json-report")
     parser.addini("fp8gate_config", "Thresholds TOML of the gate, relative to the ini file")
     parser.addini("fp8gate_require_gpu", "Error out instead of skipping the gate's gpu rule tests without a CUDA "
                   "device", type="bool")
@@ -120,6 +128,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fp8gate: a rule of the FP8 deploy gate")
+    if config.getoption("json_report", False) and not _json_report_installed():
+        config.issue_config_time_warning(pytest.PytestConfigWarning(f"fp8gate: {_JSON_REPORT_MISSING}"), stacklevel=2)
     if not _gate_asked_for(config):
         return
     from . import options
@@ -159,6 +169,11 @@ def pytest_configure(config: pytest.Config) -> None:
         state.config = gate
         refusals.check_not_distributed(config)
     refusals.check_toml_args(config, settings.config_path)
+
+
+def _json_report_installed() -> bool:
+    """Whether pytest-json-report (the `json` extra) can be loaded."""
+    return importlib.util.find_spec("pytest_jsonreport") is not None
 
 
 def _gate_asked_for(config: pytest.Config) -> bool:

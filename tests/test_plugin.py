@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from fakes import thresholds_text
-from pytest_fp8gate import hardware
+from fakes import MODELS, fake_engine_class, thresholds_text, write_gate
+from pytest_fp8gate import hardware, plugin
+from test_selection import UseEngine
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -387,3 +388,14 @@ def test_xdist_without_the_gate_or_without_workers_is_fine(pytester: pytest.Pyte
     pytester.makepyfile("def test_x(): pass")
     result = pytester.runpytest(*_distributed(pytester), *args)
     result.assert_outcomes(passed=1, skipped=1 if thresholds else 0)
+
+
+def test_json_report_without_its_plugin_gates_and_says_once_what_is_missing(pytester: pytest.Pytester, no_gpu,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(plugin, "_json_report_installed", lambda: False)  # pytest-json-report, the json extra
+    write_gate(pytester.path, task=False)
+    result = pytester.runpytest("thresholds.toml", "-k", "kl_within", "--json-report", "--json-report-file=r.json",
+                                plugins=[UseEngine(fake_engine_class(MODELS))])
+    result.assert_outcomes(passed=1, failed=1)
+    assert result.stdout.str().count("--json-report needs pytest-json-report, which is not installed") == 1
+    assert not (pytester.path / "r.json").exists()
