@@ -312,6 +312,13 @@ def print_resolution(figures: list[Figures], floors: list[LogprobComparison], fl
         print(f"  {chunks * scale:>4} chunks{' (this run)' if scale == 1 else ''}: caught from {ratio:.1f} x the floor")
 
 
+def keep(figures: list[Figures], judged: Figures) -> None:
+    """Add a judged candidate, and say its verdict at once: a long study that is cut short keeps what it saw."""
+    figures.append(judged)
+    print(f"judged {judged.name} ({judged.group}): failed {', '.join(judged.failed) or 'nothing'}",
+          file=sys.stderr, flush=True)
+
+
 def measure_all(config: GateConfig, nulls: range, severities: int, scratch: Path, nulls_only: bool = False
                 ) -> tuple[Measured, list[Measured], dict[str, LogprobComparison], list[Figures]]:
     """The baseline, its noise passes, its reference builds, and every candidate judged against them
@@ -338,7 +345,7 @@ def measure_all(config: GateConfig, nulls: range, severities: int, scratch: Path
     figures = [] if nulls_only else [judge(label, "null", base, base_passes[label], floors, references, config)
                                      for label in ORDERS]
     if not nulls_only:
-        figures.append(judge("fp8_per_channel", "reference", base,
+        keep(figures, judge("fp8_per_channel", "reference", base,
                              run_engine(replace(baseline, name="fp8", quantization="fp8_per_channel"), config,
                                         manager, {}, scratch)["main"], floors, references, config))
     for name, group, transform in builds:
@@ -348,19 +355,18 @@ def measure_all(config: GateConfig, nulls: range, severities: int, scratch: Path
         selection = {} if group == "null" else {"selects": is_projection}
         write_transformed(transform, Path(baseline.model), out, **selection)
         measured = run_engine(replace(baseline, name=name, model=str(out)), config, manager, {}, scratch)["main"]
-        figures.append(judge(name, group, base, measured, floors, references, config))
-        print(f"measured {name}", file=sys.stderr, flush=True)
+        keep(figures, judge(name, group, base, measured, floors, references, config))
     for kind in () if nulls_only else PLANTS:  # the demo's planted regressions, which every default must catch
         written = plant(kind, Path(baseline.model), scratch / "plants" / kind)
         measured = run_engine(replace(baseline, name=f"planted-{kind}", model=str(written)), config, manager, {},
                               scratch)["main"]
-        figures.append(judge(f"planted-{kind}", "regression", base, measured, floors, references, config))
+        keep(figures, judge(f"planted-{kind}", "regression", base, measured, floors, references, config))
     for kind, fault in {} if nulls_only else DEPLOY_FAULTS.items():
         out = scratch / "faults" / kind
         out.mkdir(parents=True)
         fault.write(Path(baseline.model), out)
         candidate = replace(baseline, name=kind, model=str(out), engine={**baseline.engine, **fault.engine})
-        figures.append(judge(kind, "regression", base, run_engine(candidate, config, manager, {}, scratch)["main"],
+        keep(figures, judge(kind, "regression", base, run_engine(candidate, config, manager, {}, scratch)["main"],
                              floors, references, config))
     return base, floors, references, figures
 
