@@ -575,3 +575,10 @@ def checkout_env() -> dict[str, str]:
 
     root = str(Path(__file__).resolve().parents[1])
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
+def corpus_probabilities(chunks: int) -> str:
+    """The engine tests' [probabilities] table over their short corpus.txt, with limits far above a control's
+    figures (equal to the baseline's but for batching) and far below what their plants move."""
+    return (f'[probabilities]\ncorpus = "corpus.txt"\nchunks = {chunks}\nchunk_tokens = 256\ntop_k = 5\n'
+            "[probabilities.limits]\nmin_same_top = 0.97\nmax_rms_dp = 0.02\nmax_mean_kl = 0.002\n")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from fakes import corpus_probabilities
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.face.cases import needs_of
 from pytest_fp8gate.judge.gate import Gate
@@ -33,16 +34,7 @@ name = "bf16"
 model = "{{MODEL}}"
 {LORA}
 {ENGINE.replace("SEED", "0")}
-[probabilities]
-corpus = "corpus.txt"
-chunks = 2
-chunk_tokens = 256
-top_k = 5
-[probabilities.limits]
-min_same_top = 0.97
-max_rms_dp = 0.02
-max_mean_kl = 0.002
-
+{corpus_probabilities(2)}
 [[candidates]]
 name = "control"
 {LORA}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from fakes import corpus_probabilities
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from test_shared_cache import STARTED, baseline_starts, finish, output, start, whole_entry
 
@@ -24,16 +25,7 @@ model = "{model}"
 engine = {{ {base} }}
 [noise]
 passes = ["batch-order"]
-[probabilities]
-corpus = "corpus.txt"
-chunks = 1
-chunk_tokens = 256
-top_k = 5
-[probabilities.limits]
-min_same_top = 0.97
-max_rms_dp = 0.02
-max_mean_kl = 0.002
-
+""" + corpus_probabilities(1) + """
 [[candidates]]
 name = "first"
 engine = {{ {first} }}
