@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection
 
 from .. import checkpoint
 from ..core import protocol, roofline, spec_decode
-from ..core.rules import RULES
+from ..core.rules import BY_KIND, Kind
 from ..errors import ConfigError, RooflineError
 from .spec import BATCH_ORDER_PASS, FP16_PASS, NOISE_PASSES, PRECISION_PASSES, REFERENCES, GateConfig, ModelSpec
 from .vllm_names import FLOAT16_REFUSED
@@ -236,7 +236,7 @@ def expected_protocol(value: Any) -> dict[str, Any]:
 
 POSITIVE_FRACTION = number(0, 1, low_open=True)
 RATIO = number(1)  # a limit relative to BF16 or to the noise floor is never below 1
-_PROBABILITY_RULE_NAMES = tuple(rule.name for rule in RULES if rule.kind == "probability")
+_PROBABILITY_RULE_NAMES = tuple(rule.name for rule in BY_KIND[Kind.PROBABILITY])
 
 
 def reference_ratio(value: Any) -> dict[str, float]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..core.rules import FLIP_RULES, RULES, SPEED_RULES
+from ..core.rules import BY_KIND, FLIP_RULES, SPEED_RULES, Kind
 from .checks import (
     FRACTION,
     POSITIVE_FRACTION,
@@ -99,7 +99,7 @@ PROBABILITY_KEYS = (*PROBABILITY_CHECKS, "corpus", "limits")
 FIDELITY_LIMIT_CHECKS = {"min_same_top": POSITIVE_FRACTION, "max_rms_dp": FRACTION, "max_mean_kl": number(0)}
 # A probability row's limit with no check of its own here is a non-negative number (a KL, a share of Δp).
 PROBABILITY_LIMIT_CHECKS = {
-    **{rule.limit_key: number(0) for rule in RULES if rule.kind == "probability"},
+    **{rule.limit_key: number(0) for rule in BY_KIND[Kind.PROBABILITY]},
     **FIDELITY_LIMIT_CHECKS,
     "max_ppl_ratio": RATIO,
     "floor_ratio": floor_ratio,
@@ -108,7 +108,7 @@ PROBABILITY_LIMIT_CHECKS = {
     "reference": text(REFERENCES),
     "reference_ratio": reference_ratio,
 }
-PROBABILITY_METRIC_LIMITS = tuple(rule.limit_key for rule in RULES if rule.kind == "probability")
+PROBABILITY_METRIC_LIMITS = tuple(rule.limit_key for rule in BY_KIND[Kind.PROBABILITY])
 TASK_CHECKS = {
     "task": text(),
     "metric": text(),
@@ -150,7 +150,7 @@ DECODE_LIMIT_CHECKS = {
     "gap_ratio": RATIO,
     "limit_se": number(0),
 }
-DECODE_METRIC_LIMITS = tuple(rule.limit_key for rule in RULES if rule.kind == "decode")
+DECODE_METRIC_LIMITS = tuple(rule.limit_key for rule in BY_KIND[Kind.DECODE])
 SPEED_CHECKS = {
     "input_len": integer(1),
     "output_len": integer(1),

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from ..core.buckets import DEFAULT_EDGES, MIN_BUCKET_POSITIONS
 from ..core.budget import RUN_ALPHA
 from ..core.protocol import CHAT_TEMPLATE, COMPLETIONS
-from ..core.rules import RULES, SHARE_OF_BASELINE
+from ..core.rules import BY_KIND, SHARE_OF_BASELINE, Kind
 from .served import MAX_IN_FLIGHT, REQUEST_DEADLINE_S
 from .vllm_names import MAX_LORA_RANKS
 
@@ -126,7 +126,7 @@ REFERENCES = (Q8_0_REFERENCE, E4M3_REFERENCE)
 # an FP8 candidate may sit, in the reference's distance from the ideal (docs/thresholds.md, "FP8 against the
 # model's own Q8_0"). PPL ratio has none: the reference's ln PPL ratio is near 0 and within a few SEs of it.
 FP8_REFERENCE_RATIOS: Mapping[str, float] = {"same_top": 2.5, "rms_dp": 3.0, "mean_kl": 10.0}
-PROBABILITY_RULE_BY_LIMIT = {rule.limit_key: rule.name for rule in RULES if rule.kind == "probability"}
+PROBABILITY_RULE_BY_LIMIT = {rule.limit_key: rule.name for rule in BY_KIND[Kind.PROBABILITY]}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from enum import Enum
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,8 @@ __all__ = [
     "MIN_SANE_SAME_TOP",
     "within_sanity_floor",
     "BY_TEST",
+    "BY_KIND",
+    "Kind",
     "Rule",
     "RuleOutcome",
     "accuracy_within_se",
@@ -823,16 +826,27 @@ def is_overhead_bound(speed: DecodeSpeed, overhead_bound_below: float) -> bool:
     return speed.share < overhead_bound_below
 
 
+class Kind(str, Enum):
+    """What a rule needs measured and how its cases are formed; judge/kinds.py's table holds, for each
+    kind, the cases it collects, the measurements it needs and how the gate judges it."""
+
+    PROBABILITY = "probability"  # per candidate, on the corpus
+    BUCKET = "bucket"  # a probability rule judged on its worst position bucket
+    TASK = "task"  # per candidate and task
+    SPEED = "speed"
+    DECODE = "decode"  # per candidate, on generated text
+    LOAD = "load"
+    SPECULATIVE = "speculative"
+
+
 @dataclass(frozen=True)
 class Rule:
     """One rule of the gate.
 
     ``name`` is its one name: ``Case.rule``, ``RuleOutcome.rule``, the JSON
     report's and the summary's "rule". ``test`` is its test function in
-    suite.py (the ids are public). ``kind`` says what it needs measured and how
-    its cases are formed: per candidate ("probability", "speed") or per
-    candidate and task ("task"), or per candidate on generated text ("decode"); a
-    "bucket" rule is a probability rule judged on its worst position bucket.
+    suite.py (the ids are public). ``kind`` (``Kind``) says what it needs measured, how
+    its cases are formed and how it is judged (judge/kinds.py's table).
     ``limit_key`` is its limit's key in [probabilities.limits], [decode.limits],
     a task's limits, [speed], [load] or [speculative]; a probability or decode rule, and a task rule
     whose limit has no default, is collected only where that limit is set. A
@@ -843,7 +857,7 @@ class Rule:
 
     name: str
     test: str
-    kind: Literal["probability", "bucket", "task", "speed", "decode", "load", "speculative"]
+    kind: Kind
     limit_key: str
     bound: Callable[..., RuleOutcome] | None = None  # probability rules: at_least or at_most the limit
     ideal: float | None = None  # probability rules: the metric for two identical runs
@@ -888,38 +902,39 @@ class Rule:
 
 # The probability rows follow [probabilities.limits]; each name is also its LogprobComparison field.
 RULES: tuple[Rule, ...] = (
-    Rule(ACCURACY, "test_accuracy_within_se", "task", "accuracy_se", judge=accuracy_within_se),
-    Rule(FLIPS, "test_flips_within_noise_floor", "task", "flips_ratio", judge=flips_within_noise_floor),
+    Rule(ACCURACY, "test_accuracy_within_se", Kind.TASK, "accuracy_se", judge=accuracy_within_se),
+    Rule(FLIPS, "test_flips_within_noise_floor", Kind.TASK, "flips_ratio", judge=flips_within_noise_floor),
     # An addition beside the article's accuracy rule: the drop on the paired answers, past a practical margin.
-    Rule(PAIRED_ACCURACY, "test_paired_accuracy", "task", "accuracy_margin", judge=paired_accuracy_within),
-    Rule("same_top", "test_same_top_near_baseline", "probability", "min_same_top", at_least, 1.0, "same_top_se"),
-    Rule("rms_dp", "test_rms_dp_within_limit", "probability", "max_rms_dp", at_most, 0.0, "rms_dp_se"),
-    Rule("mean_kl", "test_kl_within_limit", "probability", "max_mean_kl", at_most, 0.0, "kl_se"),
-    Rule("ppl_ratio", "test_ppl_ratio_within_limit", "probability", "max_ppl_ratio", ratio_at_most, 1.0,
+    Rule(PAIRED_ACCURACY, "test_paired_accuracy", Kind.TASK, "accuracy_margin", judge=paired_accuracy_within),
+    Rule("same_top", "test_same_top_near_baseline", Kind.PROBABILITY, "min_same_top", at_least, 1.0, "same_top_se"),
+    Rule("rms_dp", "test_rms_dp_within_limit", Kind.PROBABILITY, "max_rms_dp", at_most, 0.0, "rms_dp_se"),
+    Rule("mean_kl", "test_kl_within_limit", Kind.PROBABILITY, "max_mean_kl", at_most, 0.0, "kl_se"),
+    Rule("ppl_ratio", "test_ppl_ratio_within_limit", Kind.PROBABILITY, "max_ppl_ratio", ratio_at_most, 1.0,
          "ln_ppl_ratio_se"),
     # An optional addition: KL's tail, which llama.cpp prints and mlx-quant-fidelity gates on.
-    Rule("kl_p99", "test_kl_p99_within_limit", "probability", "max_kl_p99", at_most, 0.0, "kl_p99_se"),
-    Rule(SPEED, "test_decode_speed_near_ceiling", "speed", "min_share_of_baseline", judge=decode_speed),
+    Rule("kl_p99", "test_kl_p99_within_limit", Kind.PROBABILITY, "max_kl_p99", at_most, 0.0, "kl_p99_se"),
+    Rule(SPEED, "test_decode_speed_near_ceiling", Kind.SPEED, "min_share_of_baseline", judge=decode_speed),
     # Issue 20: served models only (the loader refuses [load] for an in-process model).
-    Rule(LOAD, "test_throughput_under_load", "load", "min_throughput_fraction", judge=throughput_under_load),
+    Rule(LOAD, "test_throughput_under_load", Kind.LOAD, "min_throughput_fraction", judge=throughput_under_load),
     # An optional addition (issue 34): served models with --speculative-config; [speculative] sets its limit.
-    Rule(ACCEPTANCE, "test_acceptance_length", "speculative", "min_acceptance_ratio", judge=acceptance_at_least),
+    Rule(ACCEPTANCE, "test_acceptance_length", Kind.SPECULATIVE, "min_acceptance_ratio", judge=acceptance_at_least),
     # Optional additions (issue 22): fidelity on generated text and the answers' form.
-    Rule("decode_same_top", "test_decode_same_top", "decode", "min_same_top", at_least, 1.0, "same_top_se"),
-    Rule("decode_rms_dp", "test_decode_rms_dp", "decode", "max_rms_dp", at_most, 0.0, "rms_dp_se"),
-    Rule("decode_mean_kl", "test_decode_kl", "decode", "max_mean_kl", at_most, 0.0, "kl_se"),
-    Rule(DECODE_GAP, "test_decode_vs_prefill_gap", "decode", "max_gap_kl", judge=at_most_or_floor),
-    Rule(LENGTH_DRIFT, "test_output_length_drift", "task", "max_length_drift", judge=length_drift_within),
-    Rule(INVALID_RATE, "test_invalid_rate", "task", "max_invalid_increase", judge=invalid_rate_within),
-    Rule(RECOVERY, "test_recovery", "task", "min_recovery", judge=recovery_within),
-    Rule(TRUNCATION, "test_truncation", "task", "max_truncation_increase", judge=truncation_within),
+    Rule("decode_same_top", "test_decode_same_top", Kind.DECODE, "min_same_top", at_least, 1.0, "same_top_se"),
+    Rule("decode_rms_dp", "test_decode_rms_dp", Kind.DECODE, "max_rms_dp", at_most, 0.0, "rms_dp_se"),
+    Rule("decode_mean_kl", "test_decode_kl", Kind.DECODE, "max_mean_kl", at_most, 0.0, "kl_se"),
+    Rule(DECODE_GAP, "test_decode_vs_prefill_gap", Kind.DECODE, "max_gap_kl", judge=at_most_or_floor),
+    Rule(LENGTH_DRIFT, "test_output_length_drift", Kind.TASK, "max_length_drift", judge=length_drift_within),
+    Rule(INVALID_RATE, "test_invalid_rate", Kind.TASK, "max_invalid_increase", judge=invalid_rate_within),
+    Rule(RECOVERY, "test_recovery", Kind.TASK, "min_recovery", judge=recovery_within),
+    Rule(TRUNCATION, "test_truncation", Kind.TASK, "max_truncation_increase", judge=truncation_within),
     # Optional additions (issue 34): the probability rules on the worst position bucket, against the floor's
     # same bucket; collected where [probabilities.limits] per_bucket and the metric's limit are set.
-    Rule("bucket_same_top", "test_bucket_same_top", "bucket", "min_same_top", at_least, 1.0, "same_top_se"),
-    Rule("bucket_rms_dp", "test_bucket_rms_dp", "bucket", "max_rms_dp", at_most, 0.0, "rms_dp_se"),
-    Rule("bucket_mean_kl", "test_bucket_kl", "bucket", "max_mean_kl", at_most, 0.0, "kl_se"),
-    Rule("bucket_ppl_ratio", "test_bucket_ppl_ratio", "bucket", "max_ppl_ratio", ratio_at_most, 1.0,
+    Rule("bucket_same_top", "test_bucket_same_top", Kind.BUCKET, "min_same_top", at_least, 1.0, "same_top_se"),
+    Rule("bucket_rms_dp", "test_bucket_rms_dp", Kind.BUCKET, "max_rms_dp", at_most, 0.0, "rms_dp_se"),
+    Rule("bucket_mean_kl", "test_bucket_kl", Kind.BUCKET, "max_mean_kl", at_most, 0.0, "kl_se"),
+    Rule("bucket_ppl_ratio", "test_bucket_ppl_ratio", Kind.BUCKET, "max_ppl_ratio", ratio_at_most, 1.0,
          "ln_ppl_ratio_se"),
 )
 BY_NAME = {rule.name: rule for rule in RULES}
 BY_TEST = {rule.test: rule for rule in RULES}
+BY_KIND = {kind: tuple(rule for rule in RULES if rule.kind is kind) for kind in Kind}

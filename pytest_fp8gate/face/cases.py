@@ -10,6 +10,7 @@ from ..config.spec import GateConfig
 from ..core import rules
 from ..engines.backend import engine_class_for
 from ..engines.base import Engine
+from ..judge.kinds import KINDS
 from ..judge.verdict import Case
 from ..run.record import Needs
 
@@ -20,12 +21,12 @@ def cases_for(test_name: str, config: GateConfig, engine_class: type[Engine]) ->
     marks: list[Any] = [pytest.mark.fp8gate]
     if config.device == "cuda":
         marks.append(pytest.mark.gpu)
-    if rule.kind == "speed" and config.speed and config.device == "cpu" and not config.speed.bandwidth_gbps:
-        marks.append(pytest.mark.skip(
-            reason=f"{config.path.name}: no memory-bandwidth figure for the CPU engine "
-            "(set speed.bandwidth_gbps to judge decode speed against a ceiling)"))
+    kind = KINDS[rule.kind]
+    reason = kind.skip(config)
+    if reason:
+        marks.append(pytest.mark.skip(reason=reason))
     return [pytest.param(case, id=case.id, marks=marks + _engine_marks(config, case, engine_class))
-            for case in _cases(rule, config)]
+            for case in kind.cases(rule, config)]
 
 
 def _engine_marks(config: GateConfig, case: Case, engine_class: type[Engine]) -> list[Any]:
@@ -35,39 +36,10 @@ def _engine_marks(config: GateConfig, case: Case, engine_class: type[Engine]) ->
     return [pytest.mark.skip(reason=f"{config.path.name}: candidate {spec.name}: {refusal}")] if refusal else []
 
 
-def _cases(rule: rules.Rule, config: GateConfig) -> list[Case]:
-    if rule.kind == "task":
-        # A task rule without a default limit (the output sanity rules) runs only where it is set.
-        tasks = [t for t in config.tasks if getattr(t.limits, rule.limit_key) is not None]
-        return [Case(rule.name, c.name, t.name) for c in config.candidates for t in tasks]
-    if rule.kind == "speed":
-        return [Case(rule.name, c.name) for c in config.candidates] if config.speed else []
-    if rule.kind == "load":
-        return [Case(rule.name, c.name) for c in config.candidates] if config.load else []
-    if rule.kind == "speculative":
-        return [Case(rule.name, c.name) for c in config.candidates] if config.speculative else []
-    if rule.kind == "decode":
-        limits: Any = config.decode.limits if config.decode else None
-    else:
-        limits = config.probabilities.limits if config.probabilities else None
-    wanted = limits is not None and limits.sets(rule.limit_key)
-    if rule.kind == "bucket":
-        wanted = wanted and limits.per_bucket
-    return [Case(rule.name, c.name) for c in config.candidates] if wanted else []
-
-
 def needs_of(cases: list[Case]) -> dict[str, Needs]:
     """Per candidate, what its selected cases need measured."""
     needs: dict[str, Needs] = {}
     for case in cases:
-        kind = rules.BY_NAME[case.rule].kind
-        need = Needs(
-            probabilities=kind in ("probability", "bucket"),
-            tasks=frozenset([case.task]) if case.task else frozenset(),
-            speed=kind == "speed",
-            decode=kind == "decode",
-            load=kind == "load",
-            speculative=kind == "speculative",
-        )
+        need = KINDS[rules.BY_NAME[case.rule].kind].needs | Needs(tasks=frozenset([case.task] if case.task else []))
         needs[case.candidate] = needs.get(case.candidate, Needs()) | need
     return needs

@@ -24,6 +24,7 @@ from ..errors import Fp8GateError, GateError, RooflineError
 from ..run.record import PASS_DESCRIPTIONS, ModelResult
 from . import generation_verdicts
 from .comparisons import Comparisons, Records
+from .kinds import KINDS
 from .recompute import compare_logprobs_command, flips_command, roofline_command
 from .verdict import BUDGET, Case, Verdict, limit_setting
 from .verdict import number as _number
@@ -49,8 +50,8 @@ class Gate:
         self.run_cases = tuple(run_cases)
         self._levels: dict[tuple[Case, ...], dict[Case, float]] = {}  # per family: each case's Holm level
         self._p_values: dict[Case, float] = {}
-        # The evidence each rule's judge is given; probability rules share one, driven by their row, and
-        # so do the decode phase's (generation_verdicts.decode_phase).
+        # The evidence each rule with its own judge is given (by_rule); the probability and bucket rules share
+        # one, driven by their row, and so do the decode phase's (kinds.py's table says which).
         self._judges: dict[str, Callable[[Case, rules.Rule, float | None], Verdict]] = {
             rules.ACCURACY: self.accuracy, rules.PAIRED_ACCURACY: self.paired_accuracy, rules.FLIPS: self.flips,
             rules.SPEED: self.speed, rules.LOAD: self.load,
@@ -76,12 +77,10 @@ class Gate:
                                    served=self.measurements.candidate(case.candidate).served_otherwise)
 
     def _judge(self, case: Case, rule: rules.Rule, level: float | None) -> Verdict:
-        if rule.kind == "probability":
-            return self.probability(case, rule, level)
-        if rule.kind == "bucket":
-            return self.bucket(case, rule, level)
-        if rule.kind == "decode" and rule.bound is not None:  # the probability rules on generated positions
-            return generation_verdicts.decode_phase(self.comparisons, case, rule, level)
+        return KINDS[rule.kind].judge(self, case, rule, level)
+
+    def by_rule(self, case: Case, rule: rules.Rule, level: float | None) -> Verdict:
+        """A rule that has its own judge (kinds.py's table sends it here): the evidence that judge is given."""
         return self._judges[rule.name](case, rule, level)
 
     # ---- the run's false-alarm budget (an addition) ----------------------------

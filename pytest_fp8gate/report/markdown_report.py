@@ -418,8 +418,8 @@ def _decode_lines(verdicts: list[Verdict]) -> list[str]:
 
 # Where each check's per-bucket figures sit in its verdicts' details (LogprobComparison.as_dict, or the
 # DecodeComparison's "logprobs"), and the rule kinds whose verdicts carry them.
-_BUCKET_SOURCES = (("Probabilities", ("probability", "bucket"), ()),
-                   ("Decode phase (baseline's continuations)", ("decode",), ("logprobs",)))
+_BUCKET_SOURCES = (("Probabilities", (rules.Kind.PROBABILITY, rules.Kind.BUCKET), ()),
+                   ("Decode phase (baseline's continuations)", (rules.Kind.DECODE,), ("logprobs",)))
 
 
 def _bucket_lines(verdicts: list[Verdict]) -> list[str]:
