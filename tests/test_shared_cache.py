@@ -27,9 +27,13 @@ from pathlib import Path
 import pytest
 
 from fakes import MODELS, fake_engine_class
+from pytest_fp8gate import hardware
 from pytest_fp8gate.face.session import run_state
 
 HERE = Path(__file__).parent
+# No GPU here, as the probe finds on a host without nvidia-smi, but without importing torch for it: seconds of
+# CPU in each gate this test starts.
+hardware.probe_cuda = lambda: hardware.CudaProbe((), "faked by the test")
 
 
 class Paused(fake_engine_class(MODELS)):
