@@ -20,8 +20,8 @@ from _pytest.pytester import SysModulesSnapshot
 from pytest_fp8gate import hardware
 
 # On several pytest-xdist workers, each worker's OpenMP pool (torch's, in the tests that plant and write
-# checkpoints) is sized to its share of the cores, set before any test module imports torch or numpy: pools as wide
-# as the machine spin against each other and the engine-free loop took 4x its CPU time in them.
+# checkpoints) is sized to its share of the cores, set before torch or numpy is imported: pools as wide as
+# the machine spin against each other (test_planting took 4x its CPU time in them).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
@@ -45,6 +45,7 @@ def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pyte
     # into its directory are: a library imported again by a later run (huggingface_hub's, torch's C extensions)
     # crashed this interpreter in the garbage collector, and a module of the gate imported afresh would hold
     # other classes and stash keys (collect's ThresholdsFile, session's STATE_KEY) than an earlier test kept.
+    # pytest offers no public way to choose what is kept: these are pytester's own snapshot and its factory.
     def written_here(name: str) -> bool:
         return Path(getattr(sys.modules.get(name), "__file__", None) or "/").is_relative_to(pytester.path)
 
