@@ -177,7 +177,11 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda
         atomic_write_text(draft, text)
         text = toml_text(served_config(tomllib.loads(text), load_config(draft)))
     atomic_write_text(config_path, text)
-    args = [str(config_path), "--fp8gate-config", str(config_path), "--rootdir", str(workdir),
+    # pytest's own settings from the demo's: an ini file of the current directory's project (this one's
+    # turns the gate off for its own suite) must not reach the demo's run.
+    settings = workdir / "pytest.ini"
+    atomic_write_text(settings, "[pytest]\n")
+    args = [str(config_path), "-c", str(settings), "--fp8gate-config", str(config_path), "--rootdir", str(workdir),
             "--fp8gate-artifacts", str(workdir / "artifacts"), "--fp8gate-report", str(workdir / "report.md"),
             "-p", "no:cacheprovider", "-rfEs", *pytest_args]
     return int(pytest.main(args))
