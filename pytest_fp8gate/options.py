@@ -96,16 +96,20 @@ def _names_option(given: list[str]) -> tuple[str, ...]:
 
 
 def _progress_interval(config: pytest.Config) -> float:
-    given = _seconds_option(config, "fp8gate_progress_interval", "--fp8gate-progress-interval", zero=True)
+    given = _seconds_option(config, "fp8gate_progress_interval", "--fp8gate-progress-interval",
+                            zero="no progress lines")
     return progress.DEFAULT_INTERVAL_S if given is None else given
+
+
+_CACHE_WAIT_ZERO = "do not wait"  # what 0 means, in its bad-value message
 
 
 def _cache_wait(config: pytest.Config) -> float | None:
     """--fp8gate-cache-wait, else the ini key: seconds, 0 (do not wait) or more."""
     if config.getoption("fp8gate_cache_wait") is not None:
-        return _seconds_option(config, "fp8gate_cache_wait", "--fp8gate-cache-wait", zero=True)
+        return _seconds_option(config, "fp8gate_cache_wait", "--fp8gate-cache-wait", zero=_CACHE_WAIT_ZERO)
     given = config.getini("fp8gate_cache_wait")
-    return _seconds(given, "the fp8gate_cache_wait ini key", zero=True) if given else None
+    return _seconds(given, "the fp8gate_cache_wait ini key", zero=_CACHE_WAIT_ZERO) if given else None
 
 
 def _compile_cache(config: pytest.Config, baseline_cache: Path | None) -> Path | None:
@@ -119,19 +123,20 @@ def _compile_cache(config: pytest.Config, baseline_cache: Path | None) -> Path |
     return given
 
 
-def _seconds_option(config: pytest.Config, name: str, flag: str, zero: bool = False) -> float | None:
+def _seconds_option(config: pytest.Config, name: str, flag: str, zero: str | None = None) -> float | None:
     given = config.getoption(name)
     return None if given is None else _seconds(given, flag, zero)
 
 
-def _seconds(given: str, flag: str, zero: bool) -> float:
-    """``given`` as seconds above 0 (or 0 too, where ``zero``), else one usage error naming ``flag``."""
+def _seconds(given: str, flag: str, zero: str | None) -> float:
+    """``given`` as seconds above 0 (or 0 too, where ``zero`` says what 0 means), else one usage error naming
+    ``flag``."""
     try:
         seconds = float(given)
     except ValueError:
         seconds = float("nan")
-    if not (seconds >= 0 if zero else seconds > 0) or seconds == float("inf"):
-        bound = " of 0 or more" if zero else " above 0"
+    if not (seconds >= 0 if zero is not None else seconds > 0) or seconds == float("inf"):
+        bound = f" of 0 or more (0: {zero})" if zero is not None else " above 0"
         raise pytest.UsageError(f"{flag} {given}: expected a number of seconds{bound}")
     return seconds
 

@@ -111,6 +111,16 @@ def test_an_interval_of_0_prints_nothing():
     assert lines == []
 
 
+@pytest.mark.parametrize("value", ["-1", "soon"])
+def test_an_interval_that_is_not_seconds_is_a_usage_error_saying_what_0_means(pytester: pytest.Pytester,
+                                                                            value: str):
+    write_gate(pytester.path, task=False)
+    result = pytester.runpytest("thresholds.toml", f"--fp8gate-progress-interval={value}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: --fp8gate-progress-interval {value}: expected a number of seconds "
+                                 "of 0 or more (0: no progress lines)"])
+
+
 DECODE = """[decode]
 prompts = 2
 prompt_tokens = 40

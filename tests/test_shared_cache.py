@@ -168,4 +168,4 @@ def test_a_cache_wait_that_is_not_seconds_is_a_usage_error(pytester: pytest.Pyte
     result = pytester.runpytest("thresholds.toml", f"--fp8gate-cache-wait={value}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: --fp8gate-cache-wait {value}: expected a number of seconds "
-                                 "of 0 or more"])
+                                 "of 0 or more (0: do not wait)"])
