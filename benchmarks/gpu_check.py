@@ -457,8 +457,9 @@ max_mean_kl = 0.001355
 
 def _nvml_lines() -> list[str]:
     from pytest_fp8gate import gpu_bandwidths, hardware
+    from pytest_fp8gate.engines import nvml
 
-    gbps, how = hardware.nvml_bandwidth_gbps()
+    gbps, how = nvml.nvml_bandwidth_gbps()
     names = hardware.cuda_device_names()
     entry = gpu_bandwidths.find_gpu(names[0]) if names else None
     table = f"table {entry.name} {entry.bandwidth_gbps:,.0f} GB/s" if entry else "no table entry"

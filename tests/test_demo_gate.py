@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fakes import CPU_RUNS_FP8
-from pytest_fp8gate.core.capabilities import cpu_engine_refusal
+from pytest_fp8gate.engines.capabilities import cpu_engine_refusal
 from pytest_fp8gate.tools.cli import main as fp8gate_main
 
 pytestmark = pytest.mark.engine

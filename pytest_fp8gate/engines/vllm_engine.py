@@ -20,12 +20,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import progress, timing
+from .. import progress
 from ..config.spec import ModelSpec
-from ..core import capabilities
 from ..core.logprobs import LogprobRun
 from ..errors import IdScoringUnavailable, MeasurementError
-from . import lifecycle, provenance, stack
+from . import capabilities, lifecycle, provenance, stack, vllm_startup
 from .base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency, timed_latency, vllm_refusal
 from .load import bench_prompt_ids
 
@@ -41,7 +40,7 @@ class VllmEngine(Engine):
     """A started ``vllm.LLM`` for one model spec. Call ``shutdown()`` before the next."""
 
     starts: ClassVar[int] = 0  # engines started in this process
-    # What vLLM logged in this process while the engine started (timing.startup_phases reads it);
+    # What vLLM logged in this process while the engine started (startup_phases reads it);
     # an engine core in a child process logs there instead.
     startup_lines: tuple[str, ...] = ()
 
@@ -84,7 +83,7 @@ class VllmEngine(Engine):
         VllmEngine.starts += 1
         try:
             # Collects what vLLM logs while it starts: the phases of the start.
-            with timing.vllm_log_lines() as logged:
+            with vllm_startup.vllm_log_lines() as logged:
                 self.llm = LLM(**kwargs)
             self.startup_lines = tuple(logged)
         except BaseException:
@@ -96,6 +95,9 @@ class VllmEngine(Engine):
         self._lora = _lora_request(spec)
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self._facts: dict[str, Any] | None = None
+
+    def startup_phases(self) -> dict[str, float]:
+        return vllm_startup.startup_phases(self.startup_lines)
 
     # ---- facts -------------------------------------------------------------
 

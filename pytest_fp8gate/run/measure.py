@@ -26,11 +26,11 @@ import numpy as np
 from .. import checkpoint, gpu_bandwidths, hardware, progress, timing
 from ..atomic import atomic_write_text
 from ..config.spec import BATCH_ORDER_PASS, PRECISION_PASSES, GateConfig, ModelSpec, TaskSpec
-from ..core import capabilities as capabilities_mod
 from ..core import spec_decode
 from ..core.dumps import RUN_ID, write_logprob_dump
 from ..core.logprobs import LogprobRun, check_vocabulary
-from ..engines import provenance
+from ..engines import capabilities as capabilities_mod
+from ..engines import nvml, provenance
 from ..engines import stack as stack_mod
 from ..engines.backend import engine_class_for
 from ..engines.base import ALL_AT_ONCE, BatchLayout, Engine
@@ -171,7 +171,7 @@ class Measurements:
         start_part = "engine start" if label == spec.name else f"engine start ({label})"
         with self.time.span(spec.name, start_part), self.progress.tracking(f"{label} engine start"):
             engine = engine_class(spec, max_logprobs=self._max_logprobs(), dtype=dtype)
-        self.time.note_within(spec.name, start_part, timing.startup_phases(engine.startup_lines))
+        self.time.note_within(spec.name, start_part, engine.startup_phases())
         note = capabilities_mod.version_note(engine.capabilities.vllm_version)
         if note:
             self.announce(f"fp8gate: {note}")
@@ -446,10 +446,10 @@ class Measurements:
         speed = self.config.speed
         assert speed is not None
         # A configured bandwidth is judged as given; otherwise the GPU's figure, if the table lists it.
-        result.memory_bandwidth = None if speed.bandwidth_gbps > 0 else hardware.detected_bandwidth(speed.gpu)
+        result.memory_bandwidth = None if speed.bandwidth_gbps > 0 else nvml.detected_bandwidth(speed.gpu)
         result.weights = checkpoint.weights_dir(result.spec.model)
         if result.memory_bandwidth is not None and gpu_bandwidths.find_gpu(result.memory_bandwidth[0]):
-            result.bandwidth_warning = hardware.nvml_disagreement(result.memory_bandwidth[1])  # does NVML agree?
+            result.bandwidth_warning = nvml.nvml_disagreement(result.memory_bandwidth[1])  # does NVML agree?
 
     def _passes(self, engine: Engine, spec: ModelSpec, needs: Needs, label: str, base: BaselineRecord | None,
                 layout: BatchLayout = ALL_AT_ONCE, folder: str | None = None) -> PassResult:
