@@ -14,7 +14,8 @@ from pytest_fp8gate.core.logprobs import TOPK_KL
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
 from pytest_fp8gate.engines.vllm_engine import IN_PROCESS_ENV, VllmEngine, spawn_cause
 from pytest_fp8gate.errors import GateError, MeasurementError
-from pytest_fp8gate.judge.gate import TOPK_BOUND_SHARE, Gate, topk_gap_note
+from pytest_fp8gate.judge.fidelity_notes import TOPK_BOUND_SHARE, topk_gap_note
+from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.verdict import Case
 from pytest_fp8gate.run.measure import BATCH_ORDER, Measurements
 from pytest_fp8gate.run.record import Needs

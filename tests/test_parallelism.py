@@ -9,7 +9,7 @@ import pytest
 
 from fakes import thresholds_text
 from pytest_fp8gate.config.loader import load_config
-from pytest_fp8gate.judge.gate import _roofline
+from pytest_fp8gate.judge.rooflines import model_roofline
 from pytest_fp8gate.run.preflight import parallelism_problem
 from pytest_fp8gate.run.record import ModelResult, Needs, PassResult
 
@@ -62,10 +62,10 @@ def _model(config, llama_config: Path, **engine) -> ModelResult:
 
 def test_roofline_with_tensor_parallelism_reads_each_shard_on_its_own_gpu(config_with, llama_config):
     config = config_with("max_model_len = 4096")
-    one = _roofline(_model(config, llama_config), 4800.0, 1128)
-    two = _roofline(_model(config, llama_config, tensor_parallel_size=2), 4800.0, 1128)
+    one = model_roofline(_model(config, llama_config), 4800.0, 1128)
+    two = model_roofline(_model(config, llama_config, tensor_parallel_size=2), 4800.0, 1128)
     assert two.bytes_per_token == one.bytes_per_token
     assert two.ceiling_tok_s == pytest.approx(2 * one.ceiling_tok_s)
     # At batch 1 pipeline stages run one after another: one GPU's bandwidth at a time.
-    staged = _roofline(_model(config, llama_config, pipeline_parallel_size=2), 4800.0, 1128)
+    staged = model_roofline(_model(config, llama_config, pipeline_parallel_size=2), 4800.0, 1128)
     assert staged.ceiling_tok_s == pytest.approx(one.ceiling_tok_s)

@@ -24,7 +24,7 @@ from pytest_fp8gate.engines.base import ALL_AT_ONCE
 from pytest_fp8gate.engines.provenance import task_fingerprint
 from pytest_fp8gate.errors import ConfigError
 from pytest_fp8gate.judge.gate import Gate
-from pytest_fp8gate.judge.generation_verdicts import THINKING as THINKING_DETAILS
+from pytest_fp8gate.judge.tasks import THINKING as THINKING_DETAILS
 from pytest_fp8gate.judge.verdict import Case
 from pytest_fp8gate.run.lm_adapter import EngineLM, run_task, task_manager
 from pytest_fp8gate.run.measure import Measurements

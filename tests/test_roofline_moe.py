@@ -187,7 +187,7 @@ def test_experts_without_expert_tensors_are_refused(tmp_path: Path):
 
 def test_the_load_verdict_shows_neff_at_each_concurrency(tmp_path: Path):
     from pytest_fp8gate.config.spec import LoadSpec, ModelSpec
-    from pytest_fp8gate.judge import gate
+    from pytest_fp8gate.judge.rooflines import load_roofline
     from pytest_fp8gate.run.record import ModelResult, PassResult
 
     moe_dir = tmp_path / "moe"
@@ -195,7 +195,7 @@ def test_the_load_verdict_shows_neff_at_each_concurrency(tmp_path: Path):
     config_file(moe_dir, QWEN3_30B_A3B)
     moe = ModelResult(ModelSpec("fp8", str(moe_dir), None, {}), PassResult("main"), 1.0, None, 151936)
     missing = ModelResult(ModelSpec("base", str(tmp_path / "absent"), None, {}), PassResult("main"), 1.0, None, 8)
-    lines = gate._load_roofline(LoadSpec(concurrencies=(1, 8, 64)), {"candidate": moe, "baseline": missing})
+    lines = load_roofline(LoadSpec(concurrencies=(1, 8, 64)), {"candidate": moe, "baseline": missing})
     assert len(lines) == 2
     assert "c=1: " in lines[0] and "8 of 128 experts" in lines[0]
     assert "51.6 of 128" in lines[0] and "126 of 128" in lines[0] and "nEff = N (1 - ((N - k) / N)^B)" in lines[0]

@@ -15,7 +15,9 @@ from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.logprobs import LogprobComparison
 from pytest_fp8gate.face import suite
 from pytest_fp8gate.face.report_hooks import summary_lines
+from pytest_fp8gate.judge import tasks
 from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.kinds import KINDS
 from pytest_fp8gate.judge.verdict import Case
 from pytest_fp8gate.run.record import ModelResult
 
@@ -34,13 +36,16 @@ def test_each_row_names_what_judges_it_and_its_limit() -> None:
         assert rule.limit_key in {f.name for f in dataclasses.fields(tables[rule.kind])}, rule
         if rule.kind in ("probability", "bucket") or rule.bound is not None:
             # A decode rule with a bound: the probability check's figure of its name, on generated positions.
-            assert rule.kind in ("probability", "decode", "bucket") and rule.judge is None, rule
+            assert rule.kind in ("probability", "decode", "bucket"), rule
             metric = rule.name.removeprefix(rules.DECODE_PREFIX).removeprefix(rules.BUCKET_PREFIX)
             assert metric in comparison_fields and rule.bound in (rules.at_least, rules.at_most,
                                                                   rules.ratio_at_most), rule
             assert rule.se_field in comparison_fields, rule
-        else:  # decided by its judge, on the evidence Gate's method of its name gathers (Gate._judges)
-            assert callable(rule.judge) and callable(getattr(Gate, rule.name)), rule
+        else:  # judged by its kind's verdict function (judge/kinds.py); a task rule by the one tasks.py names
+            assert rule.kind in ("task", "speed", "load", "speculative", "decode"), rule
+    # Every task verdict is a task rule's, and every kind but the task one has one verdict for its rules.
+    assert set(tasks.VERDICTS) == {rule.name for rule in rules.BY_KIND[rules.Kind.TASK]}
+    assert {kind for kind, work in KINDS.items() if work.verdict is tasks.verdict} == {rules.Kind.TASK}
     assert schema.PROBABILITY_METRIC_LIMITS == tuple(
         rule.limit_key for rule in rules.RULES if rule.kind == "probability")
 

@@ -20,7 +20,8 @@ from pytest_fp8gate.core.budget import ACCURACY_SHARE, allowance_se, budget_weig
 from pytest_fp8gate.core.logprobs import LogprobRun, compare_logprobs
 from pytest_fp8gate.errors import ConfigError
 from pytest_fp8gate.face import cases, suite
-from pytest_fp8gate.judge.gate import Gate, positions_note
+from pytest_fp8gate.judge.fidelity_notes import positions_note
+from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.verdict import BUDGET, Verdict
 from pytest_fp8gate.run.measure import Measurements
 

@@ -6,18 +6,18 @@ verdict and the report read comes from its named ``figures`` and from
 ``limit_key``, the setting that bound. ``margin`` is signed: positive means room
 left, negative means by how much the rule failed.
 
-Adding a rule means one row in RULES (its name, test, kind, limit and the
-function judging it) and, unless it is a probability rule, the evidence the
-``Gate`` gathers for it.
+Adding a rule means one row in RULES (its name, test, kind and limit; a
+probability rule's bound) and, unless it is a probability rule, its verdict
+function in its family's file in judge/ (judge/kinds.py's table says which).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -81,7 +81,7 @@ LENGTH_DRIFT, INVALID_RATE = "length_drift", "invalid_rate"
 RECOVERY = "recovery"
 # Optional: the share of answers ended by the token budget (finish_reason "length").
 TRUNCATION = "truncation"
-# The decode phase's rules (generation_verdicts.py gathers their evidence); DECODE_GAP is the candidate's own
+# The decode phase's rules (judge/fidelity.py gathers their evidence); DECODE_GAP is the candidate's own
 # decode-vs-prefill gap, the others compare it with the baseline on the baseline's continuations.
 DECODE_PREFIX, DECODE_GAP = "decode_", "decode_gap"
 # The probability rules on their worst position bucket (issue 34; [probabilities.limits] per_bucket).
@@ -839,6 +839,15 @@ class Kind(str, Enum):
     SPECULATIVE = "speculative"
 
 
+class Bound(Protocol):
+    """A probability rule's decision on its figure: ``at_least``, ``at_most`` or ``ratio_at_most``."""
+
+    def __call__(self, metric_name: str, measured: float, reference: float, floor_value: float | None = None,
+                 floor_ratio: float | None = None, *, ideal: float = ..., measured_se: float = 0.0,
+                 k_se: float = 0.0, keys: tuple[str, str] = ("reference", "floor_ratio"),
+                 floor_se: float = 0.0) -> RuleOutcome: ...
+
+
 @dataclass(frozen=True)
 class Rule:
     """One rule of the gate.
@@ -851,26 +860,19 @@ class Rule:
     a task's limits, [speed], [load] or [speculative]; a probability or decode rule, and a task rule
     whose limit has no default, is collected only where that limit is set. A
     probability rule, and a decode rule on the baseline's continuations, is
-    decided by its ``bound``, any other rule by its ``judge``: functions of
-    measured numbers.
+    decided by its ``bound``, a function of measured numbers; every other rule by
+    the verdict function its kind's family names (judge/kinds.py).
     """
 
     name: str
     test: str
     kind: Kind
     limit_key: str
-    bound: Callable[..., RuleOutcome] | None = None  # probability rules: at_least or at_most the limit
+    bound: Bound | None = None  # probability rules: at_least or at_most the limit
     ideal: float | None = None  # probability rules: the metric for two identical runs
     se_field: str | None = None  # probability rules: the LogprobComparison field holding the metric's SE
-    judge: Callable[..., RuleOutcome] | None = None  # the other rules: the function that decides them
 
-    def decide(self, *args: Any, **kwargs: Any) -> RuleOutcome:
-        """The rule's judge on measured numbers (a rule decided by its bound has none)."""
-        if self.judge is None:
-            raise TypeError(f"rule {self.name} is decided by its bound, not by a judge")
-        return self.judge(*args, **kwargs)
-
-    def against_floors(self, metric: str, comparison: Any, floors: Mapping[str, Any], limit: float | None,
+    def against_floors(self, metric: str, comparison: Any, floors: Mapping[str, Any], limit: float,
                        factor: float | None, floor_key: str, limit_se: float, limit_key: str | None = None
                        ) -> tuple[RuleOutcome, dict[str, float]]:
         """A probability rule (on the corpus, a position bucket or generated text) on ``comparison``'s figure
@@ -902,10 +904,10 @@ class Rule:
 
 # The probability rows follow [probabilities.limits]; each name is also its LogprobComparison field.
 RULES: tuple[Rule, ...] = (
-    Rule(ACCURACY, "test_accuracy_within_se", Kind.TASK, "accuracy_se", judge=accuracy_within_se),
-    Rule(FLIPS, "test_flips_within_noise_floor", Kind.TASK, "flips_ratio", judge=flips_within_noise_floor),
+    Rule(ACCURACY, "test_accuracy_within_se", Kind.TASK, "accuracy_se"),
+    Rule(FLIPS, "test_flips_within_noise_floor", Kind.TASK, "flips_ratio"),
     # An addition beside the article's accuracy rule: the drop on the paired answers, past a practical margin.
-    Rule(PAIRED_ACCURACY, "test_paired_accuracy", Kind.TASK, "accuracy_margin", judge=paired_accuracy_within),
+    Rule(PAIRED_ACCURACY, "test_paired_accuracy", Kind.TASK, "accuracy_margin"),
     Rule("same_top", "test_same_top_near_baseline", Kind.PROBABILITY, "min_same_top", at_least, 1.0, "same_top_se"),
     Rule("rms_dp", "test_rms_dp_within_limit", Kind.PROBABILITY, "max_rms_dp", at_most, 0.0, "rms_dp_se"),
     Rule("mean_kl", "test_kl_within_limit", Kind.PROBABILITY, "max_mean_kl", at_most, 0.0, "kl_se"),
@@ -913,20 +915,20 @@ RULES: tuple[Rule, ...] = (
          "ln_ppl_ratio_se"),
     # An optional addition: KL's tail, which llama.cpp prints and mlx-quant-fidelity gates on.
     Rule("kl_p99", "test_kl_p99_within_limit", Kind.PROBABILITY, "max_kl_p99", at_most, 0.0, "kl_p99_se"),
-    Rule(SPEED, "test_decode_speed_near_ceiling", Kind.SPEED, "min_share_of_baseline", judge=decode_speed),
+    Rule(SPEED, "test_decode_speed_near_ceiling", Kind.SPEED, "min_share_of_baseline"),
     # Issue 20: served models only (the loader refuses [load] for an in-process model).
-    Rule(LOAD, "test_throughput_under_load", Kind.LOAD, "min_throughput_fraction", judge=throughput_under_load),
+    Rule(LOAD, "test_throughput_under_load", Kind.LOAD, "min_throughput_fraction"),
     # An optional addition (issue 34): served models with --speculative-config; [speculative] sets its limit.
-    Rule(ACCEPTANCE, "test_acceptance_length", Kind.SPECULATIVE, "min_acceptance_ratio", judge=acceptance_at_least),
+    Rule(ACCEPTANCE, "test_acceptance_length", Kind.SPECULATIVE, "min_acceptance_ratio"),
     # Optional additions (issue 22): fidelity on generated text and the answers' form.
     Rule("decode_same_top", "test_decode_same_top", Kind.DECODE, "min_same_top", at_least, 1.0, "same_top_se"),
     Rule("decode_rms_dp", "test_decode_rms_dp", Kind.DECODE, "max_rms_dp", at_most, 0.0, "rms_dp_se"),
     Rule("decode_mean_kl", "test_decode_kl", Kind.DECODE, "max_mean_kl", at_most, 0.0, "kl_se"),
-    Rule(DECODE_GAP, "test_decode_vs_prefill_gap", Kind.DECODE, "max_gap_kl", judge=at_most_or_floor),
-    Rule(LENGTH_DRIFT, "test_output_length_drift", Kind.TASK, "max_length_drift", judge=length_drift_within),
-    Rule(INVALID_RATE, "test_invalid_rate", Kind.TASK, "max_invalid_increase", judge=invalid_rate_within),
-    Rule(RECOVERY, "test_recovery", Kind.TASK, "min_recovery", judge=recovery_within),
-    Rule(TRUNCATION, "test_truncation", Kind.TASK, "max_truncation_increase", judge=truncation_within),
+    Rule(DECODE_GAP, "test_decode_vs_prefill_gap", Kind.DECODE, "max_gap_kl"),
+    Rule(LENGTH_DRIFT, "test_output_length_drift", Kind.TASK, "max_length_drift"),
+    Rule(INVALID_RATE, "test_invalid_rate", Kind.TASK, "max_invalid_increase"),
+    Rule(RECOVERY, "test_recovery", Kind.TASK, "min_recovery"),
+    Rule(TRUNCATION, "test_truncation", Kind.TASK, "max_truncation_increase"),
     # Optional additions (issue 34): the probability rules on the worst position bucket, against the floor's
     # same bucket; collected where [probabilities.limits] per_bucket and the metric's limit are set.
     Rule("bucket_same_top", "test_bucket_same_top", Kind.BUCKET, "min_same_top", at_least, 1.0, "same_top_se"),

@@ -20,7 +20,7 @@ from ..core.answers import AnswerComparison, FlippedAnswer
 from ..core.dumps import read_lm_eval_generations
 from ..engines import stack
 from ..judge.comparisons import Comparisons
-from ..judge.generation_verdicts import SIDE_BY_SIDE
+from ..judge.fidelity import SIDE_BY_SIDE
 from ..judge.recompute import compare_logprobs_command, flips_command
 from ..judge.verdict import BUDGET, Case, Verdict
 from ..options import display_path
