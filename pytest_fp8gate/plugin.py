@@ -35,6 +35,12 @@ _JSON_REPORT_MISSING = ("--json-report needs pytest-json-report, which is not in
                         "'pytest-fp8gate[json]'); this run writes no JSON report")
 
 
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from .face import hookspecs  # pytest alone: the gate's modules load only once a run asks for it
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fp8gate", "FP8 deploy gate")
     group.addoption(

@@ -13,9 +13,9 @@ not zero. Generation answers a prompt's last number after ``####`` (lm-eval's
 GSM8K format), wrong on the questions where the model's seed says so.
 
 ``fake_engine_class(models)`` returns an Engine subclass bound to those models,
-with a log of every call (``FakeEngine.calls``), to pass as
-``Measurements(engine_class=...)`` or as the run state's ``engine_class`` (``session.run_state(config)``,
-set from a trylast ``pytest_configure``); ``write_gate`` writes a thresholds file the fake models answer.
+with a log of every call (``FakeEngine.calls``), to pass as ``Measurements(engine_class=...)`` or to answer
+the gate's ``pytest_fp8gate_engine_class`` hook (``test_selection.UseEngine``); ``write_gate`` writes a
+thresholds file the fake models answer.
 
 **Recorded measurements.** Engine-free measurements for the cache and report tests: real
 dumps and samples, made-up numbers, over a gate ``write_recorded_gate`` writes. Also run as a

@@ -304,11 +304,13 @@ def test_loaded():
 """
 
 
-def test_a_run_without_the_gate_imports_only_the_hook_module(pytester: pytest.Pytester):
-    # A fresh interpreter (this one has the whole package loaded); the plugin itself must be among them.
+def test_a_run_without_the_gate_imports_only_the_hook_modules(pytester: pytest.Pytester):
+    # A fresh interpreter (this one has the whole package loaded); the plugin and the gate's hook
+    # specifications (face/hookspecs.py, pytest alone) must be among them.
     pytester.makepyfile(LOADED_PROBE)
     result = pytester.runpytest_subprocess("-s")
-    assert "LOADED ['pytest_fp8gate', 'pytest_fp8gate.plugin'] []" in result.stdout.str()
+    assert ("LOADED ['pytest_fp8gate', 'pytest_fp8gate.face', 'pytest_fp8gate.face.hookspecs', "
+            "'pytest_fp8gate.plugin'] []") in result.stdout.str()
     result.assert_outcomes(passed=1)
 
 

@@ -6,18 +6,16 @@ from __future__ import annotations
 import pytest
 
 from fakes import MODELS, FakeEngine, fake_engine_class, write_gate
-from pytest_fp8gate.face.session import run_state
 
 
 class UseEngine:
-    """A plugin that stands ``engine_class`` in for vLLM's engine."""
+    """A plugin that stands ``engine_class`` in for vLLM's engine on every model, through the gate's hook."""
 
     def __init__(self, engine_class: type[FakeEngine]) -> None:
         self.engine_class = engine_class
 
-    @pytest.hookimpl(trylast=True)  # after the gate's own, which stashes the run state
-    def pytest_configure(self, config: pytest.Config) -> None:
-        run_state(config).engine_class = self.engine_class
+    def pytest_fp8gate_engine_class(self) -> type[FakeEngine]:
+        return self.engine_class
 
 
 @pytest.fixture

@@ -28,7 +28,6 @@ import pytest
 
 from fakes import MODELS, fake_engine_class
 from pytest_fp8gate import hardware
-from pytest_fp8gate.face.session import run_state
 
 HERE = Path(__file__).parent
 # No GPU here, as the probe finds on a host without nvidia-smi, but without importing torch for it: seconds of
@@ -45,9 +44,8 @@ class Paused(fake_engine_class(MODELS)):
         return super().prompt_logprobs(*args, **kwargs)
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_configure(config):
-    run_state(config).engine_class = Paused
+def pytest_fp8gate_engine_class():
+    return Paused
 """
 WAIT_S = 60.0
 

@@ -24,6 +24,7 @@ from . import checks, engine_args, schema, vllm_source
 from .served import MAX_IN_FLIGHT, REQUEST_DEADLINE_S, endpoint_problem, flag_conflict
 from .spec import (
     CPU_MIN_THROUGHPUT_FRACTION,
+    DEFAULT_BACKEND,
     PROBABILITY_RULE_BY_LIMIT,
     REFERENCES,
     WIKITEXT_2,
@@ -191,7 +192,8 @@ class _Parser:
         engine = self.engine(table.key("engine"), table.raw.get("engine", {}))
         env = self.env(table.key("env"), table.raw.get("env", {}))
         spec = ModelSpec(name, model, quantization, {**(baseline.engine if baseline else {}), **engine},
-                         {**(baseline.env if baseline else {}), **env}, lora=self.lora(table, needs_path=True))
+                         {**(baseline.env if baseline else {}), **env}, lora=self.lora(table, needs_path=True),
+                         backend=self.backend(table, baseline))
         if baseline is not None and spec == replace(baseline, name=name):
             raise self.error(table.where, "same model, quantization and engine as the baseline; it would gate nothing")
         self.check_local_model(table.key("model"), model, baseline)
@@ -263,12 +265,16 @@ class _Parser:
                                 request_deadline_s=deadline, max_in_flight=in_flight)
         # A served model's env is its own, like its command (not merged over the baseline's).
         env = self.env(table.key("env"), table.raw.get("env", {}), served=True) if served.managed else {}
-        spec = ModelSpec(name, model, quantization, engine, env, served, lora)
+        spec = ModelSpec(name, model, quantization, engine, env, served, lora, self.backend(table, baseline))
         if baseline is not None and (baseline.served, dict(baseline.env)) == (served, env):
             raise self.error(table.where, "the same server as the baseline; it would gate nothing")
         self.check_local_model(table.key("serve" if served.managed else "model"), model, baseline)
         self.check_online_fp8(online_fp8_at, quantization, model, baseline)
         return spec
+
+    def backend(self, table: _Table, baseline: ModelSpec | None) -> str:
+        """The engine backend that runs the model; a candidate's is the baseline's unless it names its own."""
+        return table.get("backend", schema.BACKEND, baseline.backend if baseline else DEFAULT_BACKEND)
 
     def lora(self, table: _Table, needs_path: bool) -> LoraSpec | None:
         """``lora = { name, path }``: a PEFT adapter directory (adapter_config.json and its weights); ``path``

@@ -28,7 +28,7 @@ from .checks import (
     text,
     vllm_name,
 )
-from .spec import REFERENCES
+from .spec import BACKENDS, REFERENCES
 from .vllm_names import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 TOP_KEYS = ("device", "deterministic_scheduling", "run_alpha", "baseline", "candidates", "noise", "probabilities",
@@ -82,7 +82,8 @@ ENGINE_RANGES: dict[str, Check] = {
 # Set by the gate itself for the whole process (deterministic_scheduling), not per engine.
 GATE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "set by the gate from deterministic_scheduling"}
 QUANTIZATION = vllm_name("quantization method", QUANTIZATION_METHODS, allow_empty=True)
-MODEL_KEYS = ("name", "model", "quantization", "engine", "env", "lora", *SERVED_ONLY_KEYS)
+MODEL_KEYS = ("name", "model", "quantization", "backend", "engine", "env", "lora", *SERVED_ONLY_KEYS)
+BACKEND = text(BACKENDS)
 LORA_KEYS = ("name", "path")
 DATASET_CHECKS = {"dataset": text(), "name": text(), "split": text(), "column": text()}
 PROBABILITY_CHECKS = {

@@ -58,6 +58,11 @@ class LoraSpec:
         return next(rank for rank in MAX_LORA_RANKS if rank >= self.rank)
 
 
+# The engine backends a model may name (``backend``); engines/registry.py holds each one's engine classes.
+BACKENDS = ("vllm",)
+DEFAULT_BACKEND = "vllm"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str  # id used in test ids
@@ -70,6 +75,7 @@ class ModelSpec:
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
     served: ServedSpec | None = None  # issue 20: None runs the model in-process (vllm.LLM)
     lora: LoraSpec | None = None  # an adapter on every request; None: the model alone
+    backend: str = DEFAULT_BACKEND  # the engine backend that runs it, in-process or served (BACKENDS)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for vllm.LLM (a fresh dict each call)."""

@@ -46,6 +46,7 @@ from .base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency, timed_l
 from .capabilities import EngineCapabilities
 from .http_client import EndpointClient
 from .server_process import ManagedServer
+from .vllm_engine import VllmEngine
 
 log = logging.getLogger("fp8gate")
 
@@ -59,6 +60,11 @@ class ServedEngine(Engine):
     """A served model: a ``vllm serve`` the gate starts (managed) or an endpoint it is given (external)."""
 
     startup_lines: tuple[str, ...] = ()  # a managed server's log up to healthy (startup_phases reads it)
+
+    @classmethod
+    def prepare_process(cls, in_process: bool) -> None:
+        # A managed vllm serve inherits the gate's environment, deterministic_scheduling's setting included.
+        VllmEngine.prepare_process(in_process)
 
     @classmethod
     def refusal(cls, spec: ModelSpec, device: str) -> str | None:

@@ -8,15 +8,16 @@ import pytest
 
 from ..config.spec import GateConfig
 from ..core import rules
-from ..engines.backend import engine_class_for
+from ..engines.backend import EngineChoice, engine_class_for
 from ..engines.base import Engine
 from ..judge.kinds import KINDS
 from ..judge.verdict import Case
 from ..run.record import Needs
 
 
-def cases_for(test_name: str, config: GateConfig, engine_class: type[Engine]) -> list[Any]:
-    """The rule test's cases with their marks; ``engine_class``: what runs a model not served."""
+def cases_for(test_name: str, config: GateConfig, engine_class: type[Engine] | EngineChoice | None) -> list[Any]:
+    """The rule test's cases with their marks; ``engine_class``: what runs the models, as measuring is given it
+    (``engines.backend.engine_class_for``)."""
     rule = rules.BY_TEST[test_name]
     marks: list[Any] = [pytest.mark.fp8gate]
     if config.device == "cuda":
@@ -29,7 +30,7 @@ def cases_for(test_name: str, config: GateConfig, engine_class: type[Engine]) ->
             for case in kind.cases(rule, config)]
 
 
-def _engine_marks(config: GateConfig, case: Case, engine_class: type[Engine]) -> list[Any]:
+def _engine_marks(config: GateConfig, case: Case, engine_class: type[Engine] | EngineChoice | None) -> list[Any]:
     """A skip for a candidate its engine is known to refuse, with the engine's reason."""
     spec = next(c for c in config.candidates if c.name == case.candidate)
     refusal = engine_class_for(spec, engine_class).refusal(spec, config.device)

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from .. import DEFAULT_CONFIG_NAME, gpu_bandwidths, hardware, timing
-from ..config.spec import GateConfig
+from ..config.spec import GateConfig, ModelSpec
 from ..engines import lifecycle
+from ..engines.backend import EngineChoice
 from ..engines.base import Engine
-from ..engines.vllm_engine import VllmEngine
 from ..errors import Fp8GateError
 from ..judge.gate import Gate
 from ..judge.verdict import Case, Verdict
@@ -39,9 +39,6 @@ class RunState:
 
     settings: Settings
     config: GateConfig | None = None  # the loaded thresholds, None without a file
-    # What starts the engines: vLLM's, unless a plugin stands another in (the tests' fake engine) from a
-    # pytest_configure that runs after the gate's (trylast).
-    engine_class: type[Engine] = VllmEngine
     needs: dict[str, Needs] = field(default_factory=dict)  # what each engine measures, from the selected rules
     cases: list[Case] = field(default_factory=list)  # the selected rule cases that will run
     tally: RuleTally = field(default_factory=RuleTally)
@@ -78,6 +75,16 @@ class RunState:
 STATE_KEY = pytest.StashKey[RunState]()
 
 
+def engine_choice(config: pytest.Config) -> EngineChoice:
+    """Each model's engine class as the ``pytest_fp8gate_engine_class`` hook answers it (hookspecs.py): a
+    conftest's or a plugin's class, or None for the registry's."""
+    def choose(spec: ModelSpec) -> type[Engine] | None:
+        chosen: type[Engine] | None = config.hook.pytest_fp8gate_engine_class(spec=spec, config=config)
+        return chosen
+
+    return choose
+
+
 def run_state(config: pytest.Config) -> RunState:
     """The run state of a run that asked for the gate (stashed by plugin.py's pytest_configure)."""
     return config.stash[STATE_KEY]
@@ -108,7 +115,7 @@ class GateSession:
         self.artifacts = artifacts
         lifecycle.watch(artifacts)
         self.measurements = Measurements(gate_config, artifacts, self.state.needs, announce, cache,
-                                         self.state.engine_class, settings.compile_cache,
+                                         engine_choice(config), settings.compile_cache,
                                          progress_interval_s=settings.progress_interval_s)
         self.gate = Gate(gate_config, self.measurements, self.state.cases)
         self.state.session = self

@@ -14,13 +14,14 @@ import pytest
 from ..core.rules import RULES
 from ..judge.verdict import Case
 from .cases import cases_for
-from .session import GateSession, run_state
+from .session import GateSession, engine_choice, run_state
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "case" in metafunc.fixturenames:
         state = run_state(metafunc.config)
-        cases = cases_for(metafunc.function.__name__, state.config, state.engine_class) if state.config else []
+        cases = cases_for(metafunc.function.__name__, state.config, engine_choice(metafunc.config)) \
+            if state.config else []
         metafunc.parametrize("case", cases)
 
 

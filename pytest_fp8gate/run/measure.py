@@ -32,9 +32,9 @@ from ..core.logprobs import LogprobRun, check_vocabulary
 from ..engines import capabilities as capabilities_mod
 from ..engines import nvml, provenance
 from ..engines import stack as stack_mod
-from ..engines.backend import engine_class_for
+from ..engines.backend import EngineChoice, engine_class_for, prepare_process
 from ..engines.base import ALL_AT_ONCE, BatchLayout, Engine
-from ..engines.vllm_engine import FULL_VOCAB_LIMIT, VllmEngine, applied_env
+from ..engines.vllm_engine import FULL_VOCAB_LIMIT, applied_env
 from ..errors import ComparisonError, Fp8GateError, IdScoringUnavailable, MeasurementError
 from ..options import COMPILE_CACHE_ENV
 from . import corpus as corpus_mod
@@ -76,15 +76,16 @@ class Measurements:
         needs: dict[str, Needs],
         announce: Callable[[str], None],
         baseline_cache: BaselineCache | None = None,
-        engine_class: type[Engine] = VllmEngine,
+        engine_class: type[Engine] | EngineChoice | None = None,
         compile_cache: Path | None = None,
         progress_interval_s: float = progress.DEFAULT_INTERVAL_S,
     ) -> None:
-        """``engine_class``: what starts an engine for a model (a stand-in in the tests); ``compile_cache``:
+        """``engine_class``: what starts an engine for a model (``engines.backend.engine_class_for``: a stand-in
+        in the tests, the pytest hook's choice; None: the registry's for each model's backend); ``compile_cache``:
         vLLM's cache root for every engine and managed server (None: vLLM's own default);
         ``progress_interval_s``: how often a long pass prints its progress line (0: never)."""
         # Process-wide, so set once here, before any engine of the session starts.
-        engine_class.prepare_process(config.deterministic_scheduling)
+        prepare_process(config, engine_class)
         self.engine_class = engine_class
         self.config = config
         self.artifacts = artifacts
