@@ -13,9 +13,9 @@ not zero. Generation answers a prompt's last number after ``####`` (lm-eval's
 GSM8K format), wrong on the questions where the model's seed says so.
 
 ``fake_engine_class(models)`` returns an Engine subclass bound to those models,
-with a log of every call (``FakeEngine.calls``), to pass as ``Measurements(engine_class=...)`` or to answer
-the gate's ``pytest_fp8gate_engine_class`` hook (``test_selection.UseEngine``); ``write_gate`` writes a
-thresholds file the fake models answer.
+with a log of every call (``FakeEngine.calls``), to pass to ``build_measurements`` (the tests' one
+builder of ``Measurements``) or to answer the gate's ``pytest_fp8gate_engine_class`` hook
+(``test_selection.UseEngine``); ``write_gate`` writes a thresholds file the fake models answer.
 
 **Recorded measurements.** Engine-free measurements for the cache and report tests: real
 dumps and samples, made-up numbers, over a gate ``write_recorded_gate`` writes. Also run as a
@@ -41,13 +41,18 @@ import numpy as np
 
 from pytest_fp8gate import progress
 from pytest_fp8gate.config.loader import load_config
-from pytest_fp8gate.config.spec import GateConfig, ModelSpec
+from pytest_fp8gate.config.spec import GateConfig, LoadSpec, ModelSpec
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.dumps import write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.core.logprobs import LogprobRun
+from pytest_fp8gate.core.rules import LoadLevel
+from pytest_fp8gate.core.spec_decode import Reading, SpecDecodeCounts
 from pytest_fp8gate.engines import capabilities
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
 from pytest_fp8gate.errors import IdScoringUnavailable
+from pytest_fp8gate.judge.gate import Gate
+from pytest_fp8gate.judge.verdict import Case
+from pytest_fp8gate.run.baseline_cache import BaselineCache
 from pytest_fp8gate.run.measure import Measurements
 from pytest_fp8gate.run.record import BaselineRecord, ModelResult, Needs, PassResult
 
@@ -67,6 +72,7 @@ DECODE_SEED = 22
 POSITION_SEED = 34  # the noise matrix of FakeModel.position_noise
 LORA_SEED, LORA_NOISE = 1000, 0.5  # a LoRA adapter's perturbation: its seed (plus its name's) and its scale
 # SamplingParams fields of vLLM 0.33 that the gate reads (0.26 lacks the last).
+DRAFT_TOKENS = 3  # a served fake model's speculator drafts this many tokens a step
 FIELDS_0_33 = ("max_tokens", "prompt_logprobs", "flat_logprobs", "detokenize", "prompt_logprob_token_ids")
 
 
@@ -118,6 +124,11 @@ class FakeModel:
     # position_noise x (position - position_onset) / position_onset at positions past position_onset, 0 before.
     position_noise: float = 0.0
     position_onset: int = 256
+    # Served only (the all-rules gate hands its config [load] and [speculative]): the share of a speculator's
+    # draft tokens it accepts, and how much of a server's batching it keeps (output tok/s at concurrency c:
+    # decode_tok_s x c^batching).
+    draft_acceptance: float = 0.6
+    batching: float = 0.9
 
 
 THINK_OPEN, THINK_END = "<think>", "</think>"
@@ -217,6 +228,7 @@ class FakeEngine(Engine):
         if dtype in _PRECISION_NOISE:  # a precision noise pass's engine
             self._logits = self._logits + _PRECISION_NOISE[dtype]
         self._dtype = dtype
+        self._drafted = SpecDecodeCounts(0.0, 0.0, 0.0)  # the speculator's counters since the start
 
     # ---- facts -------------------------------------------------------------
 
@@ -286,7 +298,9 @@ class FakeEngine(Engine):
     def generate_greedy(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
                         stops: Sequence[Sequence[str]], layout: BatchLayout = ALL_AT_ONCE) -> list[Generation]:
         self.calls.append(("generate_greedy", self.spec.name, layout, len(prompts)))
-        return [self._answer(p, n, s) for p, n, s in zip(_requests(prompts), max_tokens, stops)]
+        answers = [self._answer(p, n, s) for p, n, s in zip(_requests(prompts), max_tokens, stops)]
+        self._draft(sum(len(answer.token_ids) for answer in answers))
+        return answers
 
     def _answer(self, prompt: Sequence[int], max_tokens: int, stops: Sequence[str]) -> Generation:
         text = self.tokenizer.decode(prompt)
@@ -331,6 +345,30 @@ class FakeEngine(Engine):
         prefill = input_len * 1e-5
         return Latency(input_len, output_len, batch_size, iters, prefill + (output_len - 1) / self.model.decode_tok_s,
                        prefill)
+
+    # ---- served only: load levels and the speculator's counters ------------
+
+    def load_levels(self, spec: LoadSpec, seed: int = 0) -> list[LoadLevel]:
+        """Each level as a server carries it: decode_tok_s x c^batching output tok/s, a prefill-long first token."""
+        self.calls.append(("load_levels", self.spec.name))
+        levels = []
+        for c in spec.concurrencies:
+            requests, tok_s = spec.requests_at(c), self.model.decode_tok_s * c ** self.model.batching
+            tokens = requests * spec.output_len
+            self._draft(tokens)
+            levels.append(LoadLevel(c, requests, tokens / tok_s, tokens, (spec.input_len * 1e-5,) * requests,
+                                    (c / tok_s,) * requests))
+        return levels
+
+    def spec_decode_reading(self) -> Reading:
+        return Reading(self._drafted, created=1.0)
+
+    def _draft(self, tokens: int) -> None:
+        """A speculator's counters over ``tokens`` generated: a draft of DRAFT_TOKENS every step, the model's
+        share of them accepted."""
+        drafts = tokens / (1 + DRAFT_TOKENS * self.model.draft_acceptance)
+        self._drafted = self._drafted + SpecDecodeCounts(drafts, drafts * DRAFT_TOKENS,
+                                                         drafts * DRAFT_TOKENS * self.model.draft_acceptance)
 
     # ---- teardown ----------------------------------------------------------
 
@@ -526,10 +564,26 @@ def write_pass(root: Path, label: str, run: LogprobRun, rows: list[dict]) -> Pas
     return PassResult(label, run, directory / "logprobs.npz", {TASK: directory / f"samples_{TASK}.jsonl"})
 
 
-def make_measurements(config_path: Path, artifacts: Path, cache=None) -> Measurements:
-    config = load_config(config_path)
+def build_measurements(config: GateConfig, artifacts: Path, needs: dict[str, Needs],
+                      engine_class: type[Engine] | None = None, announce: Callable[[str], None] = lambda line: None,
+                      cache: BaselineCache | None = None, compile_cache: Path | None = None) -> Measurements:
+    """Measurements of ``config`` over ``engine_class``: a fresh fake engine over MODELS unless given (an engine
+    test gives VllmEngine)."""
+    return Measurements(config, artifacts, needs, announce, cache, engine_class or fake_engine_class(MODELS),
+                        compile_cache)
+
+
+def fake_gate(config: GateConfig, artifacts: Path, needs: dict[str, Needs], engine_class: type[Engine] | None = None,
+              run_cases: Sequence[Case] = ()) -> Gate:
+    """The tests' one builder of a ``Gate`` over fake measurements (``build_measurements``); ``run_cases``: the
+    run's rule cases, each candidate's tests sharing run_alpha."""
+    return Gate(config, build_measurements(config, artifacts, needs, engine_class), run_cases)
+
+
+def make_measurements(config_path: Path, artifacts: Path, cache: BaselineCache | None = None) -> Measurements:
+    """Measurements of the recorded gate at ``config_path``, whose baseline ``fake_baseline`` measures."""
     needs = {"fp8": Needs(probabilities=True, tasks=frozenset([TASK]))}
-    return Measurements(config, artifacts, needs, lambda line: None, cache)
+    return build_measurements(load_config(config_path), artifacts, needs, cache=cache)
 
 
 def fake_baseline(measurements: Measurements, calls: list[int] | None = None,
@@ -557,8 +611,6 @@ def fake_baseline(measurements: Measurements, calls: list[int] | None = None,
 
 
 if __name__ == "__main__":
-    from pytest_fp8gate.run.baseline_cache import BaselineCache
-
     config_path, cache_dir, artifacts, out = map(Path, sys.argv[1:5])
     cache = BaselineCache(cache_dir, update=False, announce=lambda line: None)
     measurements = make_measurements(config_path, artifacts, cache)
