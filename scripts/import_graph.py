@@ -94,10 +94,12 @@ def first_circle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
-def largest() -> tuple[tuple[int, str], tuple[int, str]]:
-    """(lines, name) of the largest module file and of the largest class."""
+def largest(within: str | None = None) -> tuple[tuple[int, str], tuple[int, str]]:
+    """(lines, name) of the largest module file and of the largest class (``within``: of that room only)."""
     modules, classes = [], []
     for module, path in _sources():
+        if within is not None and room(module) != within:
+            continue
         text = path.read_text(encoding="utf-8")
         modules.append((len(text.splitlines()), module))
         for node in ast.walk(ast.parse(text)):

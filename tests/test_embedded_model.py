@@ -131,10 +131,9 @@ def test_an_engine_compiles_into_the_kept_compile_cache(tmp_path: Path) -> None:
         from pytest_fp8gate.config.loader import load_config
         from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
         from pytest_fp8gate.engines.vllm_engine import VllmEngine
-        from pytest_fp8gate.engines.vllm_engine import applied_env
         spec = load_config(DEMO_CONFIG).baseline
         spec = dataclasses.replace(spec, engine={{**spec.engine, "enforce_eager": False}})
-        with applied_env({{"VLLM_CACHE_ROOT": {str(kept)!r}}}):
+        with VllmEngine.applied_env({{"VLLM_CACHE_ROOT": {str(kept)!r}}}):
             VllmEngine(spec, max_logprobs=1).shutdown()
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes import GENERATION_RULES, FakeEngine, FakeModel, fake_engine_class, write_gate
+from fakes import GENERATION_RULES, FakeEngine, FakeModel, build_measurements, fake_engine_class, write_gate
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.errors import ConfigError
@@ -61,7 +61,7 @@ def _measurements(tmp_path: Path, needs: dict[str, Needs], **kwargs: object) -> 
     # Each rule at its own level (run_alpha = 0): the run's shared budget is tested in test_run_budget.py.
     edit = _edit(**kwargs)
     config = load_config(write_gate(tmp_path, lambda text: "run_alpha = 0\n" + edit(text)))  # type: ignore[operator]
-    return Measurements(config, tmp_path / "artifacts", needs, lambda line: None, None, fake_engine_class(MODELS))
+    return build_measurements(config, tmp_path / "artifacts", needs, fake_engine_class(MODELS))
 
 
 @pytest.fixture(scope="module")
@@ -234,8 +234,8 @@ def _cached_run(tmp_path: Path, run: str, lines: list[str], extra: str = DECODE)
     config = load_config(write_gate(tmp_path / run, _edit(extra)))
     needs = {"good": Needs(probabilities=True, decode=True)}
     engine_class = fake_engine_class(MODELS)
-    measurements = Measurements(config, tmp_path / run / "artifacts", needs, lines.append,
-                                BaselineCache(tmp_path / "cache", False, lines.append), engine_class)
+    measurements = build_measurements(config, tmp_path / run / "artifacts", needs, engine_class, lines.append,
+                                     BaselineCache(tmp_path / "cache", False, lines.append))
     gate = Gate(config, measurements)
     found = gate.evaluate(Case("decode_mean_kl", "good")), gate.evaluate(Case(rules.DECODE_GAP, "good"))
     return engine_class.calls, *found

@@ -21,8 +21,20 @@ def test_every_folder_has_a_floor_and_no_import_runs_up() -> None:
     imports = graph.imports()
     folders = {path.name for path in graph.PACKAGE.iterdir() if (path / "__init__.py").is_file()}
     assert sorted(folders - set(graph.FLOORS)) == [], "folders without a floor in scripts/import_graph.py"
-    assert "core.rules" in imports and "engines.vllm_engine" in imports["run.measure"]
+    assert "core.rules" in imports and "run.engine_runs" in imports["run.measure"]
     assert graph.upward(imports) == []
+
+
+def test_measuring_names_no_engine_and_stays_small() -> None:
+    """run/ reaches an engine through engines.base and engines.backend only; the orchestrator imports at most
+    12 of the package's modules and no class of run/ reaches 250 lines."""
+    imports = graph.imports()
+    concrete = {"engines.vllm_engine", "engines.served_engine"}
+    assert {module: sorted(targets & concrete) for module, targets in imports.items()
+            if graph.room(module) == "run" and targets & concrete} == {}
+    assert len(imports["run.measure"]) <= 12, sorted(imports["run.measure"])
+    _, (lines, name) = graph.largest("run")
+    assert lines < 250, f"{name}: {lines} lines"
 
 
 def test_no_import_circle() -> None:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fakes import corpus_probabilities
+from fakes import build_measurements, corpus_probabilities
 from pytest_fp8gate.config.loader import load_config
+from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.face.cases import needs_of
 from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.verdict import Case
@@ -61,8 +62,8 @@ def test_the_control_adapter_passes_and_the_adapter_on_one_side_fails(tmp_path: 
 def judge_control_and_plant(config, tmp_path: Path) -> Measurements:
     """Judge RULES for both candidates; the control passes each, the plant fails each."""
     cases = {name: [Case(rule, name) for rule in RULES] for name in ("control", "plant")}
-    measurements = Measurements(config, tmp_path / "artifacts", needs_of([*cases["control"], *cases["plant"]]),
-                                print)
+    measurements = build_measurements(config, tmp_path / "artifacts", needs_of([*cases["control"], *cases["plant"]]),
+                                     VllmEngine, print)
     gate = Gate(config, measurements)
     verdicts = {name: [gate.evaluate(case) for case in named] for name, named in cases.items()}
     for verdict in (*verdicts["control"], *verdicts["plant"]):

@@ -4,11 +4,13 @@ the capability fallbacks, the batch layout and the process-wide in-process setti
 from __future__ import annotations
 
 import os
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
-from fakes import FIELDS_0_33, MODELS, QUESTIONS, FakeModel, fake_engine_class, write_gate
+from fakes import FIELDS_0_33, MODELS, QUESTIONS, FakeModel, build_measurements, fake_engine_class, write_gate
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core.logprobs import TOPK_KL
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
@@ -49,8 +51,8 @@ def measurements(tmp_path: Path, needs: dict[str, Needs], edit=lambda text: text
     """Measurements of write_gate's thresholds through a fake engine (``engine``: its settings)."""
     config = load_config(write_gate(tmp_path, edit, task))
     lines: list[str] = []
-    found = Measurements(config, tmp_path / "artifacts", needs, lines.append, None,
-                         fake_engine_class(engine.pop("models", MODELS), **engine))
+    found = build_measurements(config, tmp_path / "artifacts", needs,
+                              fake_engine_class(engine.pop("models", MODELS), **engine), lines.append)
     found.lines = lines  # type: ignore[attr-defined]
     return found
 
@@ -308,6 +310,39 @@ def test_a_release_older_than_the_tested_range_is_noted_in_the_log(tmp_path: Pat
     assert found.lines.count(note + "results may be wrong") == 3  # one per engine start
 
 
+# ---- what measuring asks of the engine class ---------------------------------------------------
+
+def test_the_engines_vocabulary_limit_chooses_whole_distributions_or_the_top_k(tmp_path: Path):
+    (tmp_path / "whole").mkdir(), (tmp_path / "top-k").mkdir()
+    whole = measurements(tmp_path / "whole", {"good": PROBABILITIES})  # 259 tokens, within the default limit
+    top = measurements(tmp_path / "top-k", {"good": PROBABILITIES}, full_vocab_limit=258)
+    assert whole.candidate("good").main.logprobs.full_logprobs is not None
+    assert top.candidate("good").main.logprobs.full_logprobs is None
+    assert [(s["full_vocab"], s["max_logprobs"]) for s in (whole.engine_settings(), top.engine_settings())] == [
+        (True, -1), (False, 5)]
+
+
+def test_the_engines_own_settings_join_the_baseline_cache_key(tmp_path: Path):
+    (tmp_path / "plain").mkdir(), (tmp_path / "own").mkdir()
+    plain = measurements(tmp_path / "plain", {"good": PROBABILITIES})
+    own = measurements(tmp_path / "own", {"good": PROBABILITIES},
+                       cache_settings=classmethod(lambda cls, spec: {"kernel": f"{spec.name} v2"}))
+    assert own.engine_settings()["kernel"] == "bf16 v2" and "kernel" not in plain.engine_settings()
+    assert {k: v for k, v in own.engine_settings().items() if k != "kernel"} == plain.engine_settings()
+
+
+def test_vllms_cached_environment_is_dropped_as_a_models_env_is_set_and_restored(monkeypatch: pytest.MonkeyPatch):
+    dropped: list[str | None] = []
+    envs = types.SimpleNamespace(disable_envs_cache=lambda: dropped.append(os.environ.get("FP8GATE_TEST_ONLY")))
+    monkeypatch.setitem(sys.modules, "vllm.envs", envs)
+    with VllmEngine.applied_env({"FP8GATE_TEST_ONLY": "set"}):
+        assert dropped == [None] and os.environ["FP8GATE_TEST_ONLY"] == "set"
+    assert dropped == [None, None] and "FP8GATE_TEST_ONLY" not in os.environ
+    with fake_engine_class().applied_env({"FP8GATE_TEST_ONLY": "set"}):  # an engine that caches nothing
+        pass
+    assert len(dropped) == 2
+
+
 # ---- the in-process setting: once per session, before the first engine ------------------------
 
 def test_the_in_process_setting_is_made_once_before_any_engine_starts(tmp_path: Path):
@@ -412,14 +447,13 @@ def test_the_compile_cache_reaches_every_engine_and_a_models_own_env_wins(tmp_pa
 
     config = load_config(write_gate(tmp_path, edit))
     kept = tmp_path / "kept"
-    found = Measurements(config, tmp_path / "artifacts", {"good": PROBABILITIES, "bad": PROBABILITIES},
-                         lambda line: None, None, Recording, kept)
+    found = build_measurements(config, tmp_path / "artifacts", {"good": PROBABILITIES, "bad": PROBABILITIES},
+                              Recording, compile_cache=kept)
     found.candidate("good"), found.candidate("bad")
     assert seen == [("bf16", str(kept)), ("bf16", str(kept)), ("good", str(own)), ("bad", str(kept))]
     assert "VLLM_CACHE_ROOT" not in os.environ  # only while an engine runs
     assert [run["compile_cache"] for run in found.engine_runs] == [str(kept), str(kept), str(own), str(kept)]
     # Without one, vLLM's own default: nothing is set.
     seen.clear()
-    Measurements(config, tmp_path / "again", {"bad": PROBABILITIES}, lambda line: None, None, Recording
-                 ).candidate("bad")
+    build_measurements(config, tmp_path / "again", {"bad": PROBABILITIES}, Recording).candidate("bad")
     assert seen[-1] == ("bad", None)

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fakes import MODELS, fake_engine_class, write_gate
+from fakes import build_measurements, write_gate
 from pytest_fp8gate import progress
 from pytest_fp8gate.config.loader import load_config
-from pytest_fp8gate.run.measure import Measurements
 from pytest_fp8gate.run.record import Needs
 
 
@@ -139,15 +138,14 @@ def test_every_pass_the_gate_measures_prints_its_progress(tmp_path: Path, fake_g
     config = load_config(write_gate(tmp_path, lambda text: text.replace('[[candidates]]\nname = "good"', DECODE, 1)))
     lines: list[str] = []
     needs = Needs(probabilities=True, tasks=frozenset({"echo"}), speed=True, decode=True)
-    found = Measurements(config, tmp_path / "artifacts", {"good": needs}, lines.append, None,
-                         fake_engine_class(MODELS))
+    found = build_measurements(config, tmp_path / "artifacts", {"good": needs}, announce=lines.append)
     clock = Clock()
 
     def ticking() -> float:  # every look at the clock is a second later: every poll is due
         clock.now += 1.0
         return clock.now
 
-    found.progress = progress.Reporter(lines.append, 0.5, ticking)
+    found.engines.progress = progress.Reporter(lines.append, 0.5, ticking)  # every pass reports through it
     found.candidate("good")
     shown = [line for line in lines if re.search(r" (of \d+ \w+ \(\d+%\)|so far)", line)]
     for what in ("bf16 engine start", "good engine start", "bf16 [main] log-probs", "bf16 [batch-order] log-probs",

@@ -14,7 +14,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.utils import postprocess_generated_text
 
 from fake_endpoint import FakeEndpoint, Knobs
-from fakes import THINK_END, THINKING, FakeModel, fake_engine_class, write_gate
+from fakes import THINK_END, THINKING, FakeModel, build_measurements, fake_engine_class, write_gate
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import ModelSpec, ServedSpec, TaskSpec
 from pytest_fp8gate.core import rules
@@ -27,7 +27,6 @@ from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.tasks import THINKING as THINKING_DETAILS
 from pytest_fp8gate.judge.verdict import Case
 from pytest_fp8gate.run.lm_adapter import EngineLM, run_task, task_manager
-from pytest_fp8gate.run.measure import Measurements
 from pytest_fp8gate.run.record import Needs
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
@@ -58,9 +57,9 @@ def _reasoning(text: str) -> str:
 def gate(tmp_path_factory: pytest.TempPathFactory) -> Gate:
     tmp_path = tmp_path_factory.mktemp("reasoning")
     config = load_config(write_gate(tmp_path, _reasoning))
-    measurements = Measurements(config, tmp_path / "artifacts", {name: Needs(tasks=frozenset({"echo"}))
-                                                                 for name in MODELS},
-                                lambda line: None, None, fake_engine_class(MODELS))
+    measurements = build_measurements(config, tmp_path / "artifacts",
+                                     {name: Needs(tasks=frozenset({"echo"})) for name in MODELS},
+                                     fake_engine_class(MODELS))
     return Gate(config, measurements)
 
 

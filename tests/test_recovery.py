@@ -8,13 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fakes import FakeModel, fake_engine_class, write_gate
+from fakes import FakeModel, build_measurements, fake_engine_class, write_gate
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.errors import ConfigError
 from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.verdict import Case
-from pytest_fp8gate.run.measure import Measurements
 from pytest_fp8gate.run.record import Needs
 
 MODELS = {
@@ -59,8 +58,7 @@ def _gate(tmp_path: Path, min_recovery: str = "0.95") -> Gate:
                                                           f"flip_alpha = 0.5\nmin_recovery = {min_recovery}\n"))
     config = load_config(path)
     needs = {name: Needs(tasks=frozenset({"echo"})) for name in MODELS}
-    measurements = Measurements(config, tmp_path / "artifacts", needs, lambda line: None, None,
-                                fake_engine_class(MODELS))
+    measurements = build_measurements(config, tmp_path / "artifacts", needs, fake_engine_class(MODELS))
     return Gate(config, measurements)
 
 

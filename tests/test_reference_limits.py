@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from fakes import MODELS, FakeModel, fake_engine_class, thresholds_text, write_gate
+from fakes import MODELS, FakeModel, build_measurements, fake_engine_class, thresholds_text, write_gate
 from pytest_fp8gate import hardware
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import FP8_REFERENCE_RATIOS
 from pytest_fp8gate.errors import ConfigError, MeasurementError
 from pytest_fp8gate.face import cases
 from pytest_fp8gate.judge.gate import Gate
-from pytest_fp8gate.run.measure import Measurements
 from pytest_fp8gate.run.reference_builds import E4M3, MARKER, Q8_0, write_build
 
 torch = pytest.importorskip("torch")
@@ -152,8 +151,7 @@ def judged(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list, Path]:
             LIMITS, '[probabilities.limits]\nreference = "q8_0"\n').replace(
             "top_k = 5\n", 'top_k = 5\nreferences = ["e4m3"]\n'), task=False))
         found = [param.values[0] for name in PROBABILITY_TESTS for param in cases.cases_for(name, config, engine_class)]
-        gate = Gate(config, Measurements(config, directory / "artifacts", cases.needs_of(found), lambda line: None,
-                                         None, engine_class))
+        gate = Gate(config, build_measurements(config, directory / "artifacts", cases.needs_of(found), engine_class))
         verdicts = {(case.rule, case.candidate): gate.evaluate(case) for case in found}
     return verdicts, engine_class.calls, directory
 
@@ -202,8 +200,7 @@ def test_a_baseline_without_safetensors_weights_is_named_before_any_candidate(tm
             LIMITS, '[probabilities.limits]\nreference = "q8_0"\n').replace(
             embedded_assets().model.as_posix(), model.as_posix()), task=False))
         found = [param.values[0] for param in cases.cases_for("test_kl_within_limit", config, engine_class)]
-        measurements = Measurements(config, tmp_path / "artifacts", cases.needs_of(found), lambda line: None, None,
-                                    engine_class)
+        measurements = build_measurements(config, tmp_path / "artifacts", cases.needs_of(found), engine_class)
         with pytest.raises(MeasurementError, match=r"reference q8_0: .*bin-model: no \*\.safetensors weights"):
             measurements.record()
     assert [call[1] for call in engine_class.calls if call[0] == "start"] == ["bf16", "bf16"]  # no candidate's
@@ -223,8 +220,8 @@ def test_a_bucket_rule_reads_its_limit_from_the_reference_s_same_bucket(tmp_path
         config = load_config(write_gate(tmp_path, lambda text: text.replace(
             LIMITS, '[probabilities.limits]\nreference = "q8_0"\nper_bucket = true\n').replace(
             "top_k = 5\n", "top_k = 5\nbucket_edges = [300]\nmin_bucket_positions = 50\n"), task=False))
-        gate = Gate(config, Measurements(config, tmp_path / "artifacts", {n: Needs(probabilities=True) for n in MODELS},
-                                         lambda line: None, None, engine_class))
+        needs = {n: Needs(probabilities=True) for n in MODELS}
+        gate = Gate(config, build_measurements(config, tmp_path / "artifacts", needs, engine_class))
         verdict = gate.evaluate(Case(rules.BUCKET_PREFIX + "mean_kl", "bad"))
     bucket = verdict.outcome.figures["bucket_start"]
     reference = gate.comparisons.references()["q8_0"]

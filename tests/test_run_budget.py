@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fakes import MODELS, FakeEngine, fake_engine_class, write_gate
+from fakes import FakeEngine, build_measurements, write_gate
 from pytest_fp8gate import hardware
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
@@ -23,7 +23,6 @@ from pytest_fp8gate.face import cases, suite
 from pytest_fp8gate.judge.fidelity_notes import positions_note
 from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.verdict import BUDGET, Verdict
-from pytest_fp8gate.run.measure import Measurements
 
 REPS = 3000
 ALPHA = 0.05
@@ -157,8 +156,7 @@ def budgeted(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
         config = load_config(write_gate(directory))
         found = [param.values[0] for name in vars(suite) if name.startswith("test_")
                  for param in cases.cases_for(name, config, FakeEngine)]
-        gate = Gate(config, Measurements(config, directory / "artifacts", cases.needs_of(found), lambda line: None,
-                                         None, fake_engine_class(MODELS)), found)
+        gate = Gate(config, build_measurements(config, directory / "artifacts", cases.needs_of(found)), found)
         return {(case.rule, case.candidate): gate.evaluate(case) for case in found}
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fakes import thresholds_text
+from fakes import build_measurements, thresholds_text
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core.dumps import SAMPLES_RUN_ID, write_lm_eval_samples, write_logprob_dump
 from pytest_fp8gate.core.logprobs import LogprobRun, check_vocabulary
@@ -216,8 +216,8 @@ def test_a_filter_the_samples_lack_names_the_task_key(tmp_path: Path) -> None:
 
 def _measurements(tmp_path: Path, model: str = "org/base") -> Measurements:
     (tmp_path / "thresholds.toml").write_text(TASK_GATE.format(limits="").replace('"org/base"', f'"{model}"'))
-    return Measurements(load_config(tmp_path / "thresholds.toml"), tmp_path / "artifacts",
-                        {"fp8": Needs(tasks=frozenset({"arith"}))}, lambda line: None)
+    return build_measurements(load_config(tmp_path / "thresholds.toml"), tmp_path / "artifacts",
+                             {"fp8": Needs(tasks=frozenset({"arith"}))})
 
 
 def test_an_engine_side_failure_is_one_line_with_the_traceback_saved(tmp_path: Path) -> None:

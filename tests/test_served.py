@@ -439,14 +439,15 @@ def test_a_stopped_gate_leaves_no_server_process_within_20_s(tmp_path: Path, sig
 
 
 def test_the_baseline_cache_is_keyed_on_the_whole_serve_command_and_never_holds_env_values(tmp_path: Path):
-    from pytest_fp8gate.engines.served_engine import cache_key
+    from pytest_fp8gate.engines.served_engine import ServedEngine, cache_key
     from pytest_fp8gate.run.baseline_cache import baseline_key
     from pytest_fp8gate.run.record import Needs
 
     def key(extra: str) -> dict:
         config = load_config(_config(tmp_path, extra))
         assert config.baseline.served is not None
-        settings = {"served": cache_key(config.baseline.served)}
+        settings = ServedEngine.cache_settings(config.baseline)  # the served engine's part of the key
+        assert settings == {"served": cache_key(config.baseline.served)}
         return baseline_key(config, Needs(), settings, {"model": config.baseline.model})
 
     plain = key(f'serve = "{SERVE}"\nenv = {{ HF_TOKEN = "hf_secret123" }}')

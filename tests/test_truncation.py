@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 
 from fake_endpoint import FakeEndpoint, Knobs
-from fakes import FakeModel, fake_engine_class, write_gate
+from fakes import FakeModel, build_measurements, fake_engine_class, write_gate
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.dumps import FINISH_REASON
 from pytest_fp8gate.errors import GateError
 from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.verdict import Case
-from pytest_fp8gate.run.measure import Measurements
 from pytest_fp8gate.run.record import Needs
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
@@ -39,9 +38,9 @@ def gate(tmp_path_factory: pytest.TempPathFactory) -> Gate:
     path = write_gate(tmp_path, lambda text: text.replace(
         "flip_alpha = 0.5\n", "flip_alpha = 0.5\nmax_truncation_increase = 0.02\n"))
     config = load_config(path)
-    measurements = Measurements(config, tmp_path / "artifacts", {name: Needs(tasks=frozenset({"echo"}))
-                                                                 for name in MODELS},
-                                lambda line: None, None, fake_engine_class(MODELS))
+    measurements = build_measurements(config, tmp_path / "artifacts",
+                                     {name: Needs(tasks=frozenset({"echo"})) for name in MODELS},
+                                     fake_engine_class(MODELS))
     return Gate(config, measurements)
 
 

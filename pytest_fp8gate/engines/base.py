@@ -1,16 +1,18 @@
 """The engine interface: what measuring, the lm-eval adapter, the corpus and the decode passes call on a
 started model, and the values it hands back. ``vllm_engine.VllmEngine`` (vLLM in this process),
 ``served_engine.ServedEngine`` (an OpenAI-compatible server) and the tests' fake implement it; none
-inherits another's code. ``run.measure`` picks one per model (``Measurements(engine_class=...)``).
+inherits another's code. ``backend.engine_class_for`` picks one per model.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
+import os
 import statistics as stats
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -130,9 +132,42 @@ class Engine(abc.ABC):
     vocab_size: int
     start_s: float
 
+    # Above this vocabulary size a full distribution per position is too large to return and keep: the
+    # passes ask for the top-k (``full_vocab`` unset in the thresholds file).
+    full_vocab_limit: ClassVar[int] = 4096
+
     @classmethod
     def prepare_process(cls, in_process: bool) -> None:
         """Once per session, before any engine starts (``deterministic_scheduling``); nothing by default."""
+
+    @classmethod
+    @contextlib.contextmanager
+    def applied_env(cls, env: Mapping[str, str]) -> Iterator[None]:
+        """``env`` in this process's environment from an engine's start to its shutdown, then the
+        environment as it was: whatever the engine starts meanwhile (a server, an engine core) inherits it."""
+        saved = {name: os.environ.get(name) for name in env}
+        cls.environment_changed()
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            cls.environment_changed()
+
+    @classmethod
+    def environment_changed(cls) -> None:
+        """Called as ``applied_env`` sets and restores the environment, so that the engine drops what it
+        cached of it; nothing by default."""
+
+    @classmethod
+    def cache_settings(cls, spec: ModelSpec) -> dict[str, Any]:
+        """What of ``spec`` changes this engine's numbers beyond the thresholds file's engine settings and env
+        (which the baseline cache keys for every model): more of the cache key; nothing by default."""
+        return {}
 
     @classmethod
     def refusal(cls, spec: ModelSpec, device: str) -> str | None:

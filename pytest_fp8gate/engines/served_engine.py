@@ -70,6 +70,11 @@ class ServedEngine(Engine):
     def refusal(cls, spec: ModelSpec, device: str) -> str | None:
         return vllm_refusal(spec, device)
 
+    @classmethod
+    def cache_settings(cls, spec: ModelSpec) -> dict[str, Any]:
+        # The whole command line and environment change the numbers.
+        return {"served": cache_key(spec.served)} if spec.served is not None else {}
+
     def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None:
         served = spec.served
         if served is None:
@@ -80,7 +85,7 @@ class ServedEngine(Engine):
         self.server: ManagedServer | None = None
         self.kwargs = _described(spec, dtype)  # for the provenance record: no key, no env values
         if served.managed:
-            # The model's env is in os.environ now (measure.applied_env): the server inherits it.
+            # The model's env is in os.environ now (Engine.applied_env): the server inherits it.
             self.server = ManagedServer(spec.name, _with_dtype(served.command, dtype), max_logprobs)
         try:
             self.tokenizer = _local_tokenizer(spec)  # while the server imports vLLM and loads the weights

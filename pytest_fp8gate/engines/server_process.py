@@ -1,7 +1,7 @@
 """A managed ``vllm serve`` process: started by the gate, waited on until healthy, stopped.
 
 The deploy's command line runs as given, in the gate's environment (the model's
-``env`` applied, measure.applied_env), plus the flags the gate controls
+``env`` applied, Engine.applied_env), plus the flags the gate controls
 (``GATE_FLAGS``). The server gets its own process group, so stopping it
 stops its engine core and workers too; it is registered with ``lifecycle``
 (stopped on SIGTERM, SIGINT and exit; on SIGKILL of the gate, lifecycle's

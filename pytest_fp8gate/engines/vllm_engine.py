@@ -7,7 +7,6 @@ elsewhere); only one is resident at a time (see ``VllmEngine.shutdown``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import io
@@ -15,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -30,8 +29,6 @@ from .load import bench_prompt_ids
 
 log = logging.getLogger("fp8gate")
 
-# Above this vocabulary size full distributions per position get too large; use top-k.
-FULL_VOCAB_LIMIT = 4096
 # "0" runs every engine core in this process; vLLM reads it when the first engine core starts.
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -65,6 +62,13 @@ class VllmEngine(Engine):
     @classmethod
     def start_note(cls) -> str | None:
         return spawn_cause()
+
+    @classmethod
+    def environment_changed(cls) -> None:
+        """A child-process engine core inherits the environment at its start; an in-process one reads
+        ``vllm.envs`` lazily, but caches every value once its core is up (``enable_envs_cache``), so that
+        cache is dropped as a model's env is set and restored: no engine sees another's values."""
+        _drop_vllm_env_cache()
 
     def __init__(self, spec: ModelSpec, *, max_logprobs: int, dtype: str | None = None) -> None:
         from vllm import LLM  # imported here: the plugin must load without vLLM
@@ -309,26 +313,6 @@ def spawn_cause() -> str | None:
     return ("CUDA is initialized in the gate's process (torch, by something this pytest process ran), so vLLM "
             "spawns this engine's core instead of forking it, and the core imports torch and vLLM again: "
             "20-30 s more a start on an H100 (docs/usage.md, \"Keep CUDA out of pytest's own process\")")
-
-
-@contextlib.contextmanager
-def applied_env(env: Mapping[str, str]) -> Iterator[None]:
-    """``env`` in this process's environment from an engine's start to its shutdown, then the
-    environment as it was. A child-process engine core inherits it at its start; an in-process
-    one reads ``vllm.envs`` lazily, but caches every value once its core is up (``enable_envs_cache``),
-    so that cache is dropped on both sides: no engine sees another's values."""
-    saved = {name: os.environ.get(name) for name in env}
-    _drop_vllm_env_cache()
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        _drop_vllm_env_cache()
 
 
 def _drop_vllm_env_cache() -> None:

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import hardware
 from ..config.spec import GateConfig, ModelSpec
 from ..engines import http_client
 
@@ -24,6 +25,13 @@ def _engine_specs(gate: GateConfig, needs: dict[str, Needs]) -> dict[str, ModelS
     specs = {"baseline": gate.baseline}
     specs |= {f"candidates[{i}]": spec for i, spec in enumerate(gate.candidates) if spec.name in needs}
     return specs
+
+
+def machine_problem(gate: GateConfig, needs: dict[str, Needs]) -> str | None:
+    """The first problem of the machine before the session's first engine: an endpoint's key, then the GPUs
+    a model asks for (``parallelism_problem`` on the visible ones); None when there is none."""
+    keys = key_problems(gate, needs)
+    return keys[0] if keys else parallelism_problem(gate, len(hardware.cuda_device_names()), needs)
 
 
 def key_problems(gate: GateConfig, needs: dict[str, Needs]) -> list[str]:
