@@ -3,13 +3,12 @@
 The verdicts, the markdown report and the plots read the same objects: the
 log-prob comparison of a candidate (and of each noise pass) against the
 baseline's main pass, per task the answer comparison and its floors, and the
-decode phase's comparisons on generated positions (issue 22).
+decode phase's comparisons on generated positions (``decoded``, decode_comparisons.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Protocol
 
 import numpy as np
 
@@ -24,23 +23,12 @@ from ..core.answers import (
     thinking_lengths,
 )
 from ..core.buckets import chunk_positions
-from ..core.decode_phase import DecodeComparison, DecodeRun, compare_decode
 from ..core.dumps import CUT_BY_LENGTH, read_finish_reasons, read_lm_eval_generations, read_thinking_chars
 from ..core.logprobs import LogprobComparison, LogprobRun, compare_logprobs
 from ..errors import ComparisonError, DumpFormatError, GateError
-from ..run.record import BaselineRecord, DecodeResult, ModelResult, PassResult
-
-# The floor of a decode-phase figure: an identical candidate would still show the baseline's own gap.
-BASELINE_GAP = "baseline decode vs prefill"
-
-
-class Records(Protocol):
-    """What the comparisons read: the baseline's record and each candidate's, measured on first asking
-    (``measure.Measurements``)."""
-
-    def record(self) -> BaselineRecord: ...
-
-    def candidate(self, name: str) -> ModelResult: ...
+from ..run.record import ModelResult, PassResult
+from .decode_comparisons import DecodeComparisons
+from .records import Records
 
 
 class Comparisons:
@@ -55,9 +43,7 @@ class Comparisons:
         self._baseline_answers: dict[str, list[AnswerRecord]] = {}
         self._answers: dict[tuple[str, str], AnswerComparison] = {}
         self._answer_floors: dict[str, dict[str, AnswerComparison]] = {}
-        self._decode: dict[str, DecodeComparison] = {}
-        self._decode_floors: dict[str, DecodeComparison] | None = None
-        self._decode_gaps: dict[str, DecodeComparison] = {}
+        self.decoded = DecodeComparisons(config, records)  # on generated positions
         self._candidate_noise: dict[str, dict[str, LogprobComparison]] = {}
         self._generations: dict[tuple[str, str], dict[Hashable, str]] = {}  # (pass key, task) -> doc -> text
 
@@ -199,53 +185,6 @@ class Comparisons:
         if (key, task.name) not in self._generations:
             self._generations[key, task.name] = read_lm_eval_generations(run.samples[task.name], task.filter)
         return self._generations[key, task.name]
-
-    # ---- the decode phase (issue 22) -----------------------------------------
-
-    def decode(self, candidate: str) -> tuple[DecodeComparison, dict[str, DecodeComparison]]:
-        """The candidate's prefill of the baseline's continuations against the baseline's decode-time
-        log-probs, and the same comparison for each floor (the baseline's own prefill, its noise passes)."""
-        if candidate not in self._decode:
-            decode = self.records.candidate(candidate).decode
-            assert decode is not None and decode.on_baseline is not None  # measured where a decode rule runs
-            self._decode[candidate] = self._compare(f"candidate {candidate} on the baseline's continuations",
-                                                    self._baseline_decode().own, decode.on_baseline)
-        if self._decode_floors is None:
-            own = self._baseline_decode().own
-            floors = {BASELINE_GAP: self.baseline_gap()}
-            floors.update({label: self._compare(f"noise pass {label}", own, run)
-                           for label, run in self.records.record().decode_floor.items()})
-            self._decode_floors = floors
-        return self._decode[candidate], self._decode_floors
-
-    def decode_gap(self, candidate: str) -> DecodeComparison:
-        """The candidate's decode-time log-probs against its own prefill of the same ids."""
-        if candidate not in self._decode_gaps:
-            result = self.records.candidate(candidate).decode
-            assert result is not None  # measured where a decode rule runs
-            self._decode_gaps[candidate] = self._compare(f"candidate {candidate} decode vs prefill", result.own,
-                                                         result.own_prefill)
-        return self._decode_gaps[candidate]
-
-    def baseline_gap(self) -> DecodeComparison:
-        """The baseline's decode against its own prefill: the floor of every decode-phase figure."""
-        name = self.config.baseline.name
-        if name not in self._decode_gaps:
-            result = self._baseline_decode()
-            self._decode_gaps[name] = self._compare("baseline decode vs prefill", result.own, result.own_prefill)
-        return self._decode_gaps[name]
-
-    def _baseline_decode(self) -> DecodeResult:
-        decode = self.baseline().decode
-        assert decode is not None  # measured where a decode rule runs
-        return decode
-
-    def _compare(self, what: str, base: DecodeRun, cand: LogprobRun) -> DecodeComparison:
-        spec = self.config.probabilities
-        try:
-            return compare_decode(base, cand, spec.bucket_edges if spec is not None else None)
-        except ComparisonError as err:
-            raise GateError(f"{what}: {err}") from None
 
     def candidate_noise(self, candidate: str) -> dict[str, LogprobComparison]:
         """[noise] candidate_passes: the candidate's main pass against its own re-run, by pass label."""

@@ -17,7 +17,7 @@ from ..core.logprobs import TOPK_KL, LogprobComparison, PositionBucket
 from ..core.rules import RuleOutcome
 from ..errors import GateError
 from ..run.record import DECODE_DUMP, ON_BASELINE_DUMP, PASS_DESCRIPTIONS, PREFILL_DUMP
-from .comparisons import BASELINE_GAP
+from .decode_comparisons import BASELINE_GAP
 from .fidelity_notes import (
     candidate_noise_notes,
     kl_partition_note,
@@ -136,7 +136,7 @@ def decode_phase(judging: Judging, case: Case, rule: rules.Rule) -> Verdict:
     assert spec is not None
     limits = spec.limits
     metric = rule.name.removeprefix(rules.DECODE_PREFIX)
-    comparison, floors = comparisons.decode(case.candidate)
+    comparison, floors = comparisons.decoded.decode(case.candidate)
     if getattr(comparison.logprobs, metric) is None:
         raise GateError(f"{config.path}: decode.limits.{rule.limit_key}: the engine gave no distributions to "
                         f"compute {metric} from (KL: {comparison.logprobs.kl_kind})")
@@ -173,7 +173,8 @@ def decode_gap(judging: Judging, case: Case, rule: rules.Rule) -> Verdict:
     assert config.decode is not None
     limits = config.decode.limits
     assert limits.max_gap_kl is not None  # the rule is collected only where it is set
-    cand, base = judging.comparisons.decode_gap(case.candidate), judging.comparisons.baseline_gap()
+    decoded = judging.comparisons.decoded
+    cand, base = decoded.decode_gap(case.candidate), decoded.baseline_gap()
     if cand.mean_kl is None or base.mean_kl is None:
         raise GateError(f"{config.path}: decode.limits.max_gap_kl: the engine gave no distributions to "
                         f"compute KL from (KL: {cand.logprobs.kl_kind})")

@@ -20,9 +20,10 @@ from ..core.budget import allowance_se, run_levels
 from ..core.rules import RuleOutcome
 from ..errors import Fp8GateError, GateError
 from .answer_checks import answer_comparison
-from .comparisons import Comparisons, Records
+from .comparisons import Comparisons
 from .judging import Judging
 from .kinds import KINDS
+from .records import Records
 from .verdict import BUDGET, Case, Verdict
 from .verdict import number as _number
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from ..config.spec import GateConfig, TaskSpec
 from ..core.rules import Rule
-from .comparisons import Comparisons, Records
+from .comparisons import Comparisons
+from .records import Records
 from .verdict import Case, Verdict, limit_setting
 
 
