@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from fakes import MODELS, FakeModel, build_measurements, fake_engine_class, write_gate
+from fakes import MODELS, FakeModel, fake_engine_class, fake_gate, write_gate
 from pytest_fp8gate import hardware
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.face import cases
-from pytest_fp8gate.judge.gate import Gate
 
 UNSTEADY = FakeModel(flip_rate=0.3, seed=1)  # a baseline whose fp16 pass flips 3 of the 40 questions
 
@@ -22,7 +21,7 @@ def _flip_notes(directory: Path, baseline: FakeModel) -> tuple[str, ...]:
         patch.setattr(hardware, "probe_cuda", lambda: hardware.CudaProbe((), "faked by the test"))
         config = load_config(write_gate(directory))
         found = [param.values[0] for param in cases.cases_for("test_flips_within_noise_floor", config, engine_class)]
-        gate = Gate(config, build_measurements(config, directory / "artifacts", cases.needs_of(found), engine_class))
+        gate = fake_gate(config, directory / "artifacts", cases.needs_of(found), engine_class)
         verdict = gate.evaluate(next(case for case in found if case.candidate == "good"))
     return verdict.notes
 

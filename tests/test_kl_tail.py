@@ -8,11 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fakes import FakeEngine, FakeModel, build_measurements, fake_engine_class, write_gate
+from fakes import FakeEngine, FakeModel, fake_engine_class, fake_gate, write_gate
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import logprobs
 from pytest_fp8gate.face.cases import cases_for
-from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.verdict import Case, Verdict
 from pytest_fp8gate.run.record import Needs
 
@@ -41,7 +40,7 @@ def judged(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Ve
     directory = tmp_path_factory.mktemp("kl-tail")
     config = load_config(write_gate(directory, _limit, task=False))
     needs = {name: Needs(probabilities=True) for name in MODELS}
-    gate = Gate(config, build_measurements(config, directory / "artifacts", needs, fake_engine_class(MODELS)))
+    gate = fake_gate(config, directory / "artifacts", needs, fake_engine_class(MODELS))
     return {(rule, name): gate.evaluate(Case(rule, name)) for rule in ("mean_kl", "kl_p99") for name in MODELS}
 
 

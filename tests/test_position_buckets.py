@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fakes import FakeEngine, FakeModel, build_measurements, fake_engine_class, logprob_run, thresholds_text, write_gate
+from fakes import FakeEngine, FakeModel, fake_engine_class, fake_gate, logprob_run, thresholds_text, write_gate
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.buckets import bucket_label, buckets_of, chunk_positions, sequence_positions
@@ -52,7 +52,7 @@ def _edit(buckets: str = BUCKETS, per_bucket: bool = True):
 def _gate(tmp_path: Path, **kwargs) -> Gate:
     config = load_config(write_gate(tmp_path, _edit(**kwargs), task=False))
     needs = {name: Needs(probabilities=True) for name in MODELS}
-    return Gate(config, build_measurements(config, tmp_path / "artifacts", needs, fake_engine_class(MODELS)))
+    return fake_gate(config, tmp_path / "artifacts", needs, fake_engine_class(MODELS))
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,7 @@ def test_the_decode_phase_figures_come_per_bucket_of_generated_positions(tmp_pat
         return text.replace("[[candidates]]", DECODE + "\n[[candidates]]", 1)
     config = load_config(write_gate(tmp_path, edit, task=False))
     needs = {"drift": Needs(probabilities=True, decode=True)}
-    gate = Gate(config, build_measurements(config, tmp_path / "artifacts", needs, fake_engine_class(MODELS)))
+    gate = fake_gate(config, tmp_path / "artifacts", needs, fake_engine_class(MODELS))
     verdict = gate.evaluate(Case("decode_mean_kl", "drift"))
     buckets = verdict.details["comparison"]["logprobs"]["buckets"]
     # Generated positions 250..349: the 200-300 bucket (the decode noise alone, before the plant starts) and 300+.

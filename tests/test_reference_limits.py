@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from fakes import MODELS, FakeModel, build_measurements, fake_engine_class, thresholds_text, write_gate
+from fakes import MODELS, FakeModel, build_measurements, fake_engine_class, fake_gate, thresholds_text, write_gate
 from pytest_fp8gate import hardware
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import FP8_REFERENCE_RATIOS
 from pytest_fp8gate.errors import ConfigError, MeasurementError
 from pytest_fp8gate.face import cases
-from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.run.reference_builds import E4M3, MARKER, Q8_0, write_build
 
 torch = pytest.importorskip("torch")
@@ -151,7 +150,7 @@ def judged(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list, Path]:
             LIMITS, '[probabilities.limits]\nreference = "q8_0"\n').replace(
             "top_k = 5\n", 'top_k = 5\nreferences = ["e4m3"]\n'), task=False))
         found = [param.values[0] for name in PROBABILITY_TESTS for param in cases.cases_for(name, config, engine_class)]
-        gate = Gate(config, build_measurements(config, directory / "artifacts", cases.needs_of(found), engine_class))
+        gate = fake_gate(config, directory / "artifacts", cases.needs_of(found), engine_class)
         verdicts = {(case.rule, case.candidate): gate.evaluate(case) for case in found}
     return verdicts, engine_class.calls, directory
 
@@ -221,7 +220,7 @@ def test_a_bucket_rule_reads_its_limit_from_the_reference_s_same_bucket(tmp_path
             LIMITS, '[probabilities.limits]\nreference = "q8_0"\nper_bucket = true\n').replace(
             "top_k = 5\n", "top_k = 5\nbucket_edges = [300]\nmin_bucket_positions = 50\n"), task=False))
         needs = {n: Needs(probabilities=True) for n in MODELS}
-        gate = Gate(config, build_measurements(config, tmp_path / "artifacts", needs, engine_class))
+        gate = fake_gate(config, tmp_path / "artifacts", needs, engine_class)
         verdict = gate.evaluate(Case(rules.BUCKET_PREFIX + "mean_kl", "bad"))
     bucket = verdict.outcome.figures["bucket_start"]
     reference = gate.comparisons.references()["q8_0"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fakes import FakeEngine, build_measurements, write_gate
+from fakes import FakeEngine, fake_gate, write_gate
 from pytest_fp8gate import hardware
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
@@ -21,7 +21,6 @@ from pytest_fp8gate.core.logprobs import LogprobRun, compare_logprobs
 from pytest_fp8gate.errors import ConfigError
 from pytest_fp8gate.face import cases, suite
 from pytest_fp8gate.judge.fidelity_notes import positions_note
-from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.verdict import BUDGET, Verdict
 
 REPS = 3000
@@ -156,7 +155,7 @@ def budgeted(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
         config = load_config(write_gate(directory))
         found = [param.values[0] for name in vars(suite) if name.startswith("test_")
                  for param in cases.cases_for(name, config, FakeEngine)]
-        gate = Gate(config, build_measurements(config, directory / "artifacts", cases.needs_of(found)), found)
+        gate = fake_gate(config, directory / "artifacts", cases.needs_of(found), run_cases=found)
         return {(case.rule, case.candidate): gate.evaluate(case) for case in found}
 
 

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from fakes import FakeEngine, FakeModel, build_measurements, fake_engine_class, write_gate
+from fakes import FakeEngine, FakeModel, fake_engine_class, fake_gate, write_gate
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.core.logprobs import TOPK_KL
 from pytest_fp8gate.face import cases
-from pytest_fp8gate.judge.gate import Gate
 
 # The fake architecture on ids shifted by half the vocabulary: no top-k id in common with the baseline.
 OTHER = FakeModel(id_shift=129, seed=2)
@@ -48,7 +47,7 @@ def test_a_different_model_fails_every_probability_rule(tmp_path: Path, fake_gpu
              if (case := param.values[0]).candidate == "other"]
     assert {case.rule for case in found} == {rule.name for rule in JUDGED}
     engine = fake_engine_class({"other": OTHER}, id_scoring_refusal=mode.get("refusal"))
-    gate = Gate(config, build_measurements(config, tmp_path / "artifacts", cases.needs_of(found), engine))
+    gate = fake_gate(config, tmp_path / "artifacts", cases.needs_of(found), engine)
     comparison = gate.comparisons.logprobs("other")
     assert comparison.kl_kind == ("exact" if not mode else TOPK_KL)
     assert comparison.same_top < 0.05 and comparison.mean_kl > 0.3  # the top-k bound no longer reads ~0
@@ -73,8 +72,8 @@ def test_a_build_of_the_baseline_is_untouched_by_the_sanity_floor(tmp_path: Path
     config = load_config(write_gate(tmp_path, _edit(None), task=False))  # type: ignore[arg-type]
     found = [case for rule in JUDGED for param in cases.cases_for(rule.test, config, FakeEngine)
              if (case := param.values[0]).candidate == "good"]
-    gate = Gate(config, build_measurements(config, tmp_path / "artifacts", cases.needs_of(found),
-                                          fake_engine_class({"good": FakeModel(logit_noise=0.004, seed=2)})))
+    gate = fake_gate(config, tmp_path / "artifacts", cases.needs_of(found),
+                     fake_engine_class({"good": FakeModel(logit_noise=0.004, seed=2)}))
     for case in found:
         verdict = gate.evaluate(case)
         assert verdict.passed and verdict.outcome.bound_by is None, case.rule
