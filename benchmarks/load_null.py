@@ -14,6 +14,7 @@ serves none of them twice). On CPU, under the engine lock:
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 from pytest_fp8gate import checkpoint
 from pytest_fp8gate.config.spec import LoadSpec
 from pytest_fp8gate.core.rules import LoadLevel, throughput_fractions
-from pytest_fp8gate.engines import load
+from pytest_fp8gate.engines import load, vllm_api
 from pytest_fp8gate.engines.http_client import EndpointClient
 from pytest_fp8gate.engines.server_process import ManagedServer
 from pytest_fp8gate.tools.demo.run import cpu_kv_cache_bytes
@@ -36,7 +37,8 @@ def null_rounds(argv: Sequence[str], served_name: str, spec: LoadSpec, rounds: i
     try:
         server.wait_healthy(health_timeout_s)
         client = EndpointClient(server.url)
-        return [load.measure_levels(client, served_name, spec, vocab_size, seed=1000 + r) for r in range(rounds)]
+        body = functools.partial(vllm_api.stream_body, served_name)
+        return [load.measure_levels(client, body, spec, vocab_size, seed=1000 + r) for r in range(rounds)]
     finally:
         server.finish()
 

@@ -3,7 +3,7 @@
 One run: the model in-process (``vllm.LLM``), then ``vllm serve`` of it started as the gate starts one;
 against the server the pass runs through the completions API as it ran before issue 33's client cuts
 (stdlib ``json``, a Python sort per position) and as it runs now (msgspec, the numpy conversion), and
-through vLLM's token route (``served_api.TOKEN_ROUTE``: no detokenizing) where the server offers it (vLLM
+through vLLM's token route (``vllm_api.TOKEN_ROUTE``: no detokenizing) where the server offers it (vLLM
 0.26 by default; vLLM 0.32 with ``--scale-out``, which adds ``--enable-scale-out`` to the serve line),
 each at several requests in flight. Each
 served pass is split, summed over its requests (they overlap when several are in flight): the server
@@ -44,7 +44,7 @@ import numpy as np
 
 from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
 from pytest_fp8gate.core.logprobs import LogprobRun
-from pytest_fp8gate.engines import http_client, served_api, served_engine
+from pytest_fp8gate.engines import http_client, vllm_api, vllm_served
 from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
@@ -53,7 +53,7 @@ STEPS = ("server (to first byte)", "transfer", "client JSON parse", "conversion 
 
 def _before_conversion(where: str, rows: list[Any], ids: Sequence[int], first: int, top_k: int,
                        vocab_size: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """served_engine._rows_to_arrays as it was before issue 33's cut (commit 4bc0712): a Python sort of
+    """vllm_api.rows_to_arrays as it was before issue 33's cut (commit 4bc0712): a Python sort of
     every position's entries. Kept here only as the "before" of this measurement."""
     count = len(ids) - first
     real = np.empty(count)
@@ -62,8 +62,8 @@ def _before_conversion(where: str, rows: list[Any], ids: Sequence[int], first: i
     full = None if vocab_size is None else np.full((count, vocab_size), -np.inf, dtype=np.float32)
     for at, position in enumerate(range(first, len(ids))):
         row = rows[position]
-        real[at] = served_engine._logprob(served_engine._entry(where, row, ids[position]))
-        ranked = sorted(((int(e["rank"]), int(token), served_engine._logprob(e)) for token, e in row.items()),
+        real[at] = vllm_api.logprob(vllm_api.entry(where, row, ids[position]))
+        ranked = sorted(((int(e["rank"]), int(token), vllm_api.logprob(e)) for token, e in row.items()),
                         key=lambda item: item[0])
         top_ids[at] = [t for _, t, _ in ranked[:top_k]]
         top_lp[at] = [lp for _, _, lp in ranked[:top_k]]
@@ -74,12 +74,12 @@ def _before_conversion(where: str, rows: list[Any], ids: Sequence[int], first: i
 
 @contextlib.contextmanager
 def _as_before() -> Iterator[None]:
-    saved = http_client._fast_decode, served_engine._rows_to_arrays
-    http_client._fast_decode, served_engine._rows_to_arrays = json.loads, _before_conversion
+    saved = http_client._fast_decode, vllm_api.rows_to_arrays
+    http_client._fast_decode, vllm_api.rows_to_arrays = json.loads, _before_conversion
     try:
         yield
     finally:
-        http_client._fast_decode, served_engine._rows_to_arrays = saved
+        http_client._fast_decode, vllm_api.rows_to_arrays = saved
 
 
 def _chunks(tokenizer: Any, corpus: Path, count: int, tokens: int) -> list[list[int]]:
@@ -117,10 +117,10 @@ def _synthetic(positions: int, top_k: int, vocab: int, reps: int = 5) -> int:
     stdlib, fast = best(lambda: json.loads(raw)), best(lambda: http_client._decode(raw))
     print(f"  JSON parse:  json {stdlib:6.1f}   msgspec {fast:6.1f}")
     before = best(lambda: _before_conversion("w", rows, ids, 1, top_k, None))
-    after = best(lambda: served_engine._rows_to_arrays("w", rows, ids, 1, top_k, None))
+    after = best(lambda: vllm_api.rows_to_arrays("w", rows, ids, 1, top_k, None))
     print(f"  conversion:  before {before:6.1f}   after {after:6.1f}")
     same = zip(_before_conversion("w", rows, ids, 1, top_k, None)[:3],
-               served_engine._rows_to_arrays("w", rows, ids, 1, top_k, None)[:3])
+               vllm_api.rows_to_arrays("w", rows, ids, 1, top_k, None)[:3])
     if not all(np.array_equal(a, b) for a, b in same):
         print("FAIL: the conversions' arrays differ")
         return 1
@@ -198,13 +198,13 @@ def main() -> int:
 
     spec = ModelSpec("served", args.model, None, engine, served=ServedSpec(args.model, tuple(serve)))
     started = time.perf_counter()
-    served = served_engine.ServedEngine(spec, max_logprobs=args.top_k)
+    served = vllm_served.VllmServedEngine(spec, max_logprobs=args.top_k)
     print(f"server start: {time.perf_counter() - started:.1f} s; the probe chose {served.probe.prompt_route}",
           flush=True)
-    passes = [("before", _as_before, served_api.COMPLETIONS), ("after", contextlib.nullcontext, served_api.COMPLETIONS),
-              ("token", contextlib.nullcontext, served_api.TOKEN_ROUTE)]
+    passes = [("before", _as_before, vllm_api.COMPLETIONS), ("after", contextlib.nullcontext, vllm_api.COMPLETIONS),
+              ("token", contextlib.nullcontext, vllm_api.TOKEN_ROUTE)]
     passes = [p for p in passes if p[0] in args.passes
-              and (p[2] == served_api.COMPLETIONS or served.probe.prompt_route == served_api.TOKEN_ROUTE)]
+              and (p[2] == vllm_api.COMPLETIONS or served.probe.prompt_route == vllm_api.TOKEN_ROUTE)]
     rows, beyond = [], []
     try:
         served.prompt_logprobs(chunks[:1], args.top_k, False)  # warm-up
@@ -240,7 +240,7 @@ def main() -> int:
     print(f"\nlog-prob pass, {args.chunks} chunks x {args.chunk_tokens} tokens, top {args.top_k}; in-process "
           f"{in_process_s:.2f} s. Served steps are summed over requests (in seconds; they overlap in flight).\n"
           "before/after: the completions API with the client before and after its cuts; token: vLLM's token route "
-          f"({served_api.TOKEN_ROUTE}, detokenize off) with the client after them.")
+          f"({vllm_api.TOKEN_ROUTE}, detokenize off) with the client after them.")
     head = f"{'pass':6} {'in flight':>9} {'wall s':>7} {'x in-proc':>9} " + " ".join(f"{s:>22}" for s in STEPS)
     print(head + f" {'MB':>7} {'top-1 differs':>13} {'max |dlp|':>9}")
     for label, in_flight, reached, wall, clock, top_differs, max_diff in rows:

@@ -116,7 +116,7 @@ def test_a_class_stood_in_runs_every_model_and_a_choice_only_the_models_it_answe
     assert engine_class_for(local, fake) is fake and engine_class_for(served, fake) is fake
     only_local = lambda spec: fake if spec.served is None else None  # noqa: E731
     assert engine_class_for(local, only_local) is fake
-    assert engine_class_for(served, only_local).__name__ == "ServedEngine"
+    assert engine_class_for(served, only_local).__name__ == "VllmServedEngine"
     assert engine_class_for(local).__name__ == "VllmEngine"
 
 

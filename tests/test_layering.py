@@ -68,6 +68,25 @@ def test_only_the_engines_import_vllm() -> None:
     assert vllm_importers(planted) == ["core.capabilities", "timing"]
 
 
+def thread_pools(sources: dict[str, str]) -> list[str]:
+    """The modules of engines/ that make a thread pool of their own (a ThreadPoolExecutor call)."""
+    def makes_a_pool(node: ast.AST) -> bool:
+        called = getattr(node, "func", None)
+        name = getattr(called, "id", getattr(called, "attr", None))
+        return isinstance(node, ast.Call) and name == "ThreadPoolExecutor"
+
+    return [module for module, text in sources.items()
+            if graph.room(module) == "engines" and any(makes_a_pool(node) for node in ast.walk(ast.parse(text)))]
+
+
+def test_the_engines_send_concurrent_requests_through_one_fan_out() -> None:
+    sources = {module: path.read_text(encoding="utf-8") for module, path in graph._sources()}
+    assert thread_pools(sources) == ["engines.fan_out"]
+    planted = {"engines.load": "from concurrent import futures\npool = futures.ThreadPoolExecutor(4)\n",
+               "core.logprobs": "pool = ThreadPoolExecutor(2)\n"}
+    assert thread_pools(planted) == ["engines.load"]
+
+
 def test_architecture_doc_describes_every_floor() -> None:
     text = (graph.ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     missing = [name for name in graph.FLOORS if name and f"| `{name}" not in text]

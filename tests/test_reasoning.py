@@ -191,7 +191,7 @@ SERVED_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if a
 def test_a_served_reasoning_model_end_to_end(tmp_path: Path, enabled: bool, budget: int) -> None:
     # lm-eval's echo task through run_task and the served engine over HTTP: the template rendered here with
     # the task's kwargs, the ids sent, the fake endpoint thinking after "<think>", the answer cut after "</think>".
-    from pytest_fp8gate.engines.served_engine import ServedEngine
+    from pytest_fp8gate.engines.vllm_served import VllmServedEngine
 
     write_gate(tmp_path)
     task = TaskSpec("echo", "fp8gate_fake_echo", "exact_match", limit=6, filter="strict-match",
@@ -201,7 +201,7 @@ def test_a_served_reasoning_model_end_to_end(tmp_path: Path, enabled: bool, budg
     with FakeEndpoint(knobs) as url:
         spec = ModelSpec("bf16", embedded_assets().model.as_posix(), None, {},
                          served=ServedSpec("served-bf16", endpoint=url))
-        engine = ServedEngine(spec, max_logprobs=5)
+        engine = VllmServedEngine(spec, max_logprobs=5)
         engine.tokenizer.chat_template = SERVED_TEMPLATE
         try:
             samples = run_task(engine, task, tmp_path, task_manager([task]), "run", ALL_AT_ONCE)

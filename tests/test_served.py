@@ -6,6 +6,7 @@ The measurements over real ``vllm serve`` processes are in test_served_engine.py
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -277,20 +278,21 @@ def test_the_served_demo_serves_each_demo_model_with_its_engine_settings(tmp_pat
 def test_latency_and_load_come_from_streamed_tokens():
     from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
     from pytest_fp8gate.core import rules
-    from pytest_fp8gate.engines import load
-    from pytest_fp8gate.engines.served_engine import ServedEngine
+    from pytest_fp8gate.engines import load, vllm_api
+    from pytest_fp8gate.engines.vllm_served import VllmServedEngine
 
     # Tokens 20 ms apart: on a loaded 2-core machine each sleeping stream wakes a few ms late, which at the
     # fake's default 5 ms brought four in flight down to 1.49x one at a time (load 10); against 20 ms it is small.
     gap = 0.02
     with FakeEndpoint(Knobs(stream_token_s=gap)) as url:
         spec = ModelSpec("bf16", MODEL, None, {}, served=ServedSpec("served-bf16", endpoint=url))
-        engine = ServedEngine(spec, max_logprobs=5)
+        engine = VllmServedEngine(spec, max_logprobs=5)
         latency = engine.latency(input_len=20, output_len=10, batch_size=1, warmup_iters=0, iters=2)
         # Nine token gaps after the first: decode tok/s is 1 / the fake's gap, give or take scheduling.
         assert 0.5 / gap < latency.decode_tok_s < 1.05 / gap
         assert gap <= latency.median_prefill_s < latency.median_total_s
-        levels = [load.measure_level(engine.client, "served-bf16", c, 4, 20, 10, 259) for c in (1, 4)]
+        body = functools.partial(vllm_api.stream_body, "served-bf16")
+        levels = [load.measure_level(engine.client, body, c, 4, 20, 10, 259) for c in (1, 4)]
         engine.shutdown()
     for level in levels:
         assert level.output_tokens == 40 and len(level.ttft_s) == len(level.tpot_s) == 4
@@ -308,12 +310,12 @@ def test_latency_and_load_come_from_streamed_tokens():
 def test_prompt_logprobs_take_the_token_route_where_it_scores_as_the_completions_api(
         route: bool, scale: float | None, expected: str):
     from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
-    from pytest_fp8gate.engines.served_engine import ServedEngine
+    from pytest_fp8gate.engines.vllm_served import VllmServedEngine
 
     knobs = Knobs(token_route=route, token_route_scale=scale)
     with FakeEndpoint(knobs) as url:
         spec = ModelSpec("bf16", MODEL, None, {}, served=ServedSpec("served-bf16", endpoint=url))
-        engine = ServedEngine(spec, max_logprobs=4)
+        engine = VllmServedEngine(spec, max_logprobs=4)
         assert engine.probe.prompt_route == expected
         probed = len(knobs.requests)
         run = engine.prompt_logprobs([[1, 5, 9, 7], [2, 3, 4]], 4, False)
@@ -347,12 +349,12 @@ DECODE_RULES = ("test_decode_same_top", "test_decode_rms_dp", "test_decode_kl", 
 @pytest.mark.parametrize("full_vocab", [False, True])
 def test_decode_time_logprobs_come_keyed_by_token_id_with_the_generated_ids(full_vocab: bool):
     from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
-    from pytest_fp8gate.engines.served_engine import ServedEngine
+    from pytest_fp8gate.engines.vllm_served import VllmServedEngine
 
     want = -1 if full_vocab else 4
     with FakeEndpoint(Knobs(max_logprobs=want, decode_skew=0.5)) as url:
         spec = ModelSpec("bf16", MODEL, None, {}, served=ServedSpec("served-bf16", endpoint=url))
-        engine = ServedEngine(spec, max_logprobs=want)
+        engine = VllmServedEngine(spec, max_logprobs=want)
         written = engine.generate_with_logprobs([[1, 2, 3], [4, 5]], 6, 4, full_vocab)
         engine.shutdown()
     assert [ids for ids, _ in written] == [(0,) * 6] * 2  # the fake's greedy id, from return_token_ids

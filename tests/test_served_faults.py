@@ -169,7 +169,7 @@ def test_a_hung_server_costs_one_deadline_not_one_per_request():
     """More chunks than max_in_flight, none answered: the first deadline aborts those in flight, the rest never
     go out. (A smaller cap than the default's 1,024: the fake accepts one connection at a time.)"""
     from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
-    from pytest_fp8gate.engines.served_engine import ServedEngine
+    from pytest_fp8gate.engines.vllm_served import VllmServedEngine
     from pytest_fp8gate.errors import EndpointTimeout
 
     in_flight = 64
@@ -178,7 +178,7 @@ def test_a_hung_server_costs_one_deadline_not_one_per_request():
     with fake as url:
         spec = ModelSpec("bf16", MODEL, None, {}, served=ServedSpec("served-bf16", endpoint=url, request_deadline_s=1,
                                                                     max_in_flight=in_flight))
-        engine = ServedEngine(spec, max_logprobs=5)
+        engine = VllmServedEngine(spec, max_logprobs=5)
         started = time.monotonic()
         with pytest.raises(EndpointTimeout, match="gave up after 1"):
             engine.prompt_logprobs([[1, 2, 3]] * (in_flight + 8), 5, False)

@@ -91,12 +91,12 @@ def test_samples_without_finish_reasons_are_refused_by_name(gate: Gate, tmp_path
 
 def test_the_served_engine_reads_the_choice_s_finish_reason() -> None:
     from pytest_fp8gate.config.spec import ModelSpec, ServedSpec
-    from pytest_fp8gate.engines.served_engine import ServedEngine
+    from pytest_fp8gate.engines.vllm_served import VllmServedEngine
 
     with FakeEndpoint(Knobs()) as url:
         spec = ModelSpec("bf16", embedded_assets().model.as_posix(), None, {},
                          served=ServedSpec("served-bf16", endpoint=url))
-        engine = ServedEngine(spec, max_logprobs=5)
+        engine = VllmServedEngine(spec, max_logprobs=5)
         generations = engine.generate_greedy([[1, 2, 3]], [4], [[]])
         engine.shutdown()
     assert [g.finish_reason for g in generations] == ["length"]  # the fake endpoint's choice says so

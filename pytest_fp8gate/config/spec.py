@@ -22,7 +22,7 @@ from .vllm_names import MAX_LORA_RANKS
 # --- served models (issue 20) ----------------------------------------------------------
 @dataclass(frozen=True)
 class ServedSpec:
-    """A model gated over HTTP, through an OpenAI-compatible completions API (served_engine.py).
+    """A model gated over HTTP, through an OpenAI-compatible completions API (engines/served_engine.py).
 
     Managed: ``command`` is the deploy's ``vllm serve`` argv (model path resolved), which
     the gate starts with the model's ``env`` and the flags it controls (server_process.py). External:

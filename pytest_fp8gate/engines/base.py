@@ -1,7 +1,7 @@
 """The engine interface: what measuring, the lm-eval adapter, the corpus and the decode passes call on a
 started model, and the values it hands back. ``vllm_engine.VllmEngine`` (vLLM in this process),
-``served_engine.ServedEngine`` (an OpenAI-compatible server) and the tests' fake implement it; none
-inherits another's code. ``backend.engine_class_for`` picks one per model.
+``vllm_served.VllmServedEngine`` (vLLM's server, over ``served_engine.ServedEngine``) and the tests' fake
+implement it; none inherits another's code. ``backend.engine_class_for`` picks one per model.
 """
 
 from __future__ import annotations

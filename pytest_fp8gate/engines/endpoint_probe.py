@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import EndpointError, EndpointStatus
 from .http_client import EndpointClient
-from .served_api import COMPLETIONS, TOKEN_ROUTE, completion, prompt_logprob_rows, status_text
+from .vllm_api import COMPLETIONS, TOKEN_ROUTE, completion, prompt_logprob_rows, status_text
 
 log = logging.getLogger("fp8gate")
 
@@ -37,7 +37,7 @@ class ProbeResult:
     max_model_len: int | None
     vocab_size: int | None  # entries of a full-vocabulary position; None unless asked for
     logprobs_per_position: int  # ranked entries the server returned per position (-1: all of them)
-    prompt_route: str = COMPLETIONS  # where the prompt log-probs are asked (served_api)
+    prompt_route: str = COMPLETIONS  # where the prompt log-probs are asked (vllm_api)
 
 
 def probe(client: EndpointClient, label: str, served_model_name: str, tokenize: Callable[[str], list[int]],

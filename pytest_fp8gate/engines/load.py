@@ -1,6 +1,6 @@
 """Speed under load at a served endpoint: output tok/s and TTFT/TPOT percentiles at each concurrency.
 
-An in-process client (threads over ``EndpointClient``'s streamed completions) rather than
+An in-process client (``fan_out``'s threads over ``EndpointClient``'s streamed completions) rather than
 ``vllm bench serve``: it needs no second tool's version on the runner, reuses the gate's
 key, TLS and redirect rules, sends token ids (so BF16 and FP8 get the same prompts, whatever
 the tokenizer does to text) and works against any OpenAI-compatible server. It measures what
@@ -12,8 +12,7 @@ The rule that judges the levels (``rules.throughput_under_load``) is in the pure
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,8 +20,12 @@ import numpy as np
 from ..config.spec import LoadSpec
 from ..core.rules import LoadLevel
 from ..errors import EndpointError, EndpointTimeout
+from .fan_out import fan_out
 from .http_client import EndpointClient
 
+# A server's streamed request for a prompt of ids and an output length, run to that length (each use adds its
+# sampling): the served engine's ``_stream_body``.
+Body = Callable[[list[int], int], dict[str, Any]]
 WARMUP_TOKENS = 8  # a warm-up level's output: it only has to reach every batch size once
 
 
@@ -65,49 +68,41 @@ def _one(client: EndpointClient, body: dict[str, Any]) -> tuple[float, float, in
     return first - started, tpot, tokens
 
 
-def measure_level(client: EndpointClient, model: str, concurrency: int, requests: int, input_len: int,
+def measure_level(client: EndpointClient, body: Body, concurrency: int, requests: int, input_len: int,
                   output_len: int, vocab_size: int, seed: int | Sequence[int] = 0) -> LoadLevel:
-    """``requests`` streamed requests of random prompt ids, ``concurrency`` in flight at a time.
+    """``requests`` streamed requests of random prompt ids (``body``: the server's request for a prompt and a
+    length), ``concurrency`` in flight at a time.
 
     The same ``seed`` gives the same prompts, so a baseline and its candidate are sent alike; a
     second measurement of one server needs another seed, or its prefix cache serves the prompts.
     Only complete requests count: any failed one (an error status, an early end, an error event, a
     dropped stream) fails the level with the count; one past its deadline ends the level at once."""
-    bodies = [{"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
-               "stream": True, "return_token_ids": True}
-              for prompt in bench_prompt_ids(vocab_size, input_len, requests, seed)]
-    started = time.perf_counter()
-    results: list[tuple[float, float, int]] = []
-    failures: list[EndpointError] = []
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [pool.submit(_one, client, body) for body in bodies]
+    def attempt(prompt: list[int]) -> tuple[float, float, int] | EndpointError:
         try:
-            for future in futures:
-                try:
-                    results.append(future.result())
-                except EndpointTimeout:
-                    raise
-                except EndpointError as err:
-                    failures.append(err)
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            client.abort()
+            return _one(client, {**body(prompt, output_len), "temperature": 0.0})
+        except EndpointTimeout:
             raise
+        except EndpointError as err:  # counted, and the level goes on
+            return err
+
+    started = time.perf_counter()
+    outcomes = fan_out(client, bench_prompt_ids(vocab_size, input_len, requests, seed), attempt, concurrency)
     wall = time.perf_counter() - started
+    failures = [outcome for outcome in outcomes if isinstance(outcome, EndpointError)]
     if failures:
         raise EndpointError(f"{client.shown}: load at concurrency {concurrency}: {len(failures)} of {requests} "
                             f"streamed requests failed (only complete requests count); the first: {failures[0]}")
+    results = [outcome for outcome in outcomes if not isinstance(outcome, EndpointError)]
     return LoadLevel(concurrency, requests, wall, sum(r[2] for r in results),
                      tuple(r[0] for r in results), tuple(r[1] for r in results if r[2] > 1))
 
 
-def measure_levels(client: EndpointClient, model: str, spec: LoadSpec, vocab_size: int,
+def measure_levels(client: EndpointClient, body: Body, spec: LoadSpec, vocab_size: int,
                    seed: int = 0) -> list[LoadLevel]:
     """Every level of ``spec``, after a short warm-up at the highest concurrency. Each level draws its
     prompts from its own seed (``seed`` and its concurrency), so no level's prompts are in the prefix
     cache from an earlier one; the same ``seed`` sends a baseline and its candidate the same prompts."""
     top = max(spec.concurrencies)
-    measure_level(client, model, top, top, spec.input_len, WARMUP_TOKENS, vocab_size, seed=(seed, 0))
-    return [measure_level(client, model, c, spec.requests_at(c), spec.input_len, spec.output_len, vocab_size,
+    measure_level(client, body, top, top, spec.input_len, WARMUP_TOKENS, vocab_size, seed=(seed, 0))
+    return [measure_level(client, body, c, spec.requests_at(c), spec.input_len, spec.output_len, vocab_size,
                           seed=(seed, c)) for c in spec.concurrencies]

@@ -24,7 +24,7 @@ class Backend:
 
 
 REGISTRY: dict[str, Backend] = {
-    "vllm": Backend(in_process="vllm_engine:VllmEngine", served="served_engine:ServedEngine"),
+    "vllm": Backend(in_process="vllm_engine:VllmEngine", served="vllm_served:VllmServedEngine"),
 }
 
 

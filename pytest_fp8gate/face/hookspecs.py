@@ -20,8 +20,9 @@ def pytest_fp8gate_engine_class(spec: ModelSpec, config: pytest.Config) -> type[
     """The engine class that runs the model ``spec`` (a subclass of ``pytest_fp8gate.engines.base.Engine``),
     or None to leave it to the registry: the class of the model's ``backend``, served or in-process.
 
-    Asked when the rule tests are collected (for what the class refuses to run) and when the model's engine
-    starts. The first implementation that returns a class decides.
+    Asked whenever the gate needs the model's class: when the rule tests are collected (what the class
+    refuses to run), before any engine starts (its process setup) and when the model's engine starts; answer
+    alike each time. The first implementation that returns a class decides.
 
     :param spec: The model, as the thresholds file gives it (``spec.name``, ``spec.backend``, ``spec.served``).
     :param config: The pytest config.
