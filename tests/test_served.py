@@ -74,6 +74,20 @@ def test_a_serve_command_names_the_model_flags_and_environment(tmp_path: Path):
     assert candidate.served.served_model_name == MODEL  # vLLM's default: the model argument
 
 
+@pytest.mark.parametrize("named", ["", " --served-model-name base"])
+def test_a_reference_build_is_served_on_the_baseline_s_line_under_the_baseline_s_name(tmp_path: Path, named: str):
+    base = load_config(_config(tmp_path, f'serve = "{SERVE}{named}"')).baseline
+    assert base.served is not None
+    reference = base.on_weights("bf16-reference-q8_0", "/builds/q8_0")
+    assert reference.served is not None and reference.model == "/builds/q8_0"
+    command = list(reference.served.command)
+    assert command[:2] == ["serve", "/builds/q8_0"]
+    assert command[2:6] == ["--dtype", "bfloat16", "--max-model-len", "2048"]
+    # What the server answers to (vLLM: the last --served-model-name) is what the gate asks it for.
+    assert command[len(command) - 1 - command[::-1].index("--served-model-name") + 1] == \
+        reference.served.served_model_name == base.served.served_model_name
+
+
 def test_an_endpoint_names_url_model_and_key_variable(tmp_path: Path):
     config = load_config(_config(tmp_path, f'endpoint = "https://gate.example:8443/"\nserved_model_name = "m"\n'
                                            f'api_key_env = "GATE_KEY"\nmodel = "{MODEL}"'))
@@ -442,7 +456,7 @@ def test_a_stopped_gate_leaves_no_server_process_within_20_s(tmp_path: Path, sig
 
 def test_the_baseline_cache_is_keyed_on_the_whole_serve_command_and_never_holds_env_values(tmp_path: Path):
     from pytest_fp8gate.engines.served_engine import ServedEngine, cache_key
-    from pytest_fp8gate.run.baseline_cache import baseline_key
+    from pytest_fp8gate.run.cache_key import baseline_key
     from pytest_fp8gate.run.record import Needs
 
     def key(extra: str) -> dict:

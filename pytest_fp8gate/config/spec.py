@@ -83,6 +83,18 @@ class ModelSpec:
                                              "max_loras": 1}
         return {"model": self.model, "quantization": self.quantization, **self.engine, **lora}
 
+    def on_weights(self, name: str, model: str) -> ModelSpec:
+        """These settings on other weights (a reference build). A served model: the same serve line on them,
+        answering to this model's name (unnamed, a server answers to its weights' path, which the gate
+        would not ask for)."""
+        served = self.served
+        if served is not None:
+            command = ("serve", model, *served.command[2:])
+            if self.lora is None:  # with an adapter the gate asks for the adapter's name
+                command += ("--served-model-name", served.served_model_name)
+            served = replace(served, command=command)
+        return replace(self, name=name, model=model, served=served)
+
 
 # The noise passes a thresholds file may ask for (measure.py runs them, record.py describes them).
 BATCH_ORDER_PASS = "batch-order"
