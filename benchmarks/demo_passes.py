@@ -31,7 +31,8 @@ from typing import Any
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
 from pytest_fp8gate.engines.vllm_engine import VllmEngine
-from pytest_fp8gate.run.lm_adapter import EngineLM, generation_budget, task_manager
+from pytest_fp8gate.run.lm_adapter import EngineLM, generation_budget
+from pytest_fp8gate.run.lm_tasks import task_manager
 from pytest_fp8gate.run.measure import BATCH_ORDER
 from pytest_fp8gate.tools.demo.run import DEMO_CONFIG
 

@@ -30,7 +30,7 @@ from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import GateConfig
 from pytest_fp8gate.engines.base import ALL_AT_ONCE
 from pytest_fp8gate.engines.vllm_engine import VllmEngine
-from pytest_fp8gate.run.lm_adapter import task_manager
+from pytest_fp8gate.run.lm_tasks import task_manager
 from pytest_fp8gate.run.measure import BATCH_ORDER
 from pytest_fp8gate.tools.demo.run import DEMO_MODELS, demo_config, toml_text
 

@@ -66,7 +66,8 @@ from pytest_fp8gate.core.logprobs import LogprobComparison, LogprobRun, compare_
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout
 from pytest_fp8gate.engines.vllm_engine import VllmEngine
 from pytest_fp8gate.run.corpus import chunk_corpus
-from pytest_fp8gate.run.lm_adapter import run_task, task_manager
+from pytest_fp8gate.run.lm_adapter import run_task
+from pytest_fp8gate.run.lm_tasks import task_manager
 from pytest_fp8gate.run.measure import BATCH_ORDER
 from pytest_fp8gate.run.reference_builds import bf16_reround, write_build, write_transformed
 from pytest_fp8gate.tools.demo.deploy_faults import DEPLOY_FAULTS

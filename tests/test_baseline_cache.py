@@ -11,12 +11,8 @@ import pytest
 
 from fakes import TASK, fake_baseline, make_measurements, write_recorded_gate
 from pytest_fp8gate.engines import provenance
-from pytest_fp8gate.run.baseline_cache import (
-    BaselineCache,
-    CacheEntryError,
-    baseline_key,
-    verify,
-)
+from pytest_fp8gate.run.baseline_cache import BaselineCache, CacheEntryError, verify
+from pytest_fp8gate.run.cache_key import baseline_key
 from pytest_fp8gate.run.record import Needs
 
 NEEDS = Needs(probabilities=True, tasks=frozenset([TASK]))
@@ -311,10 +307,10 @@ NOT_STORED = {"result", "origin", "cached", "result.spec", "result.memory_bandwi
 def test_every_record_field_has_a_row_in_the_cache_s_field_table_or_is_named_as_not_stored():
     from dataclasses import fields
 
-    from pytest_fp8gate.run.baseline_cache import _FIELDS
+    from pytest_fp8gate.run.cache_record import FIELDS
     from pytest_fp8gate.run.record import BaselineRecord, ModelResult
 
     record = {f.name for f in fields(BaselineRecord)} | {f"result.{f.name}" for f in fields(ModelResult)}
-    stored = [field.attribute for field in _FIELDS]
+    stored = [field.attribute for field in FIELDS]
     assert len(stored) == len(set(stored))
     assert set(stored) == record - NOT_STORED

@@ -103,7 +103,7 @@ def test_checking_imports_neither_vllm_nor_torch(tmp_path: Path) -> None:
 
 
 def test_lm_evals_own_tasks_are_looked_up_without_building_their_whole_index(tmp_path: Path) -> None:
-    from pytest_fp8gate.run.lm_adapter import TaskNames, task_name_problems
+    from pytest_fp8gate.run.lm_tasks import TaskNames, task_name_problems
 
     path = _write(tmp_path, '[[tasks]]\ntask = "gsm8K"\nmetric = "exact_match"')
     gate = load_config(path)

@@ -13,7 +13,8 @@ from fakes import QUESTIONS, FakeEngine, write_gate
 from pytest_fp8gate.config.spec import ModelSpec, TaskSpec
 from pytest_fp8gate.core.dumps import read_lm_eval_samples
 from pytest_fp8gate.engines.base import ALL_AT_ONCE
-from pytest_fp8gate.run.lm_adapter import DEFAULT_MAX_GEN_TOKS, generation_budget, run_task, task_manager
+from pytest_fp8gate.run.lm_adapter import DEFAULT_MAX_GEN_TOKS, generation_budget, run_task
+from pytest_fp8gate.run.lm_tasks import task_manager
 
 
 @pytest.mark.parametrize(

@@ -185,7 +185,7 @@ def test_a_first_token_slower_than_the_slo_fails_the_rule_by_its_setting(pyteste
 
 def test_a_cached_baseline_brings_its_levels_and_one_without_them_is_measured(pytester: pytest.Pytester,
                                                                               tmp_path: Path):
-    from pytest_fp8gate.run.baseline_cache import _restore
+    from pytest_fp8gate.run.cache_record import restore
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -200,7 +200,7 @@ def test_a_cached_baseline_brings_its_levels_and_one_without_them_is_measured(py
     key = json.loads(next(cache.glob("bf16-*/key.json")).read_text())
     assert [level["concurrency"] for level in stored["load"]] == [1, 4] and key["load"]["requests"] == [4, 4]
     with pytest.raises(CacheEntryError, match="has no load levels, which \\[load\\] needs"):
-        _restore({**stored, "load": None}, tmp_path, load_config(pytester.path / "thresholds.toml").baseline,
+        restore({**stored, "load": None}, tmp_path, load_config(pytester.path / "thresholds.toml").baseline,
                  cache, key)
     assert rules.BY_NAME["load"].test == "test_throughput_under_load"
 

@@ -26,7 +26,8 @@ from pytest_fp8gate.errors import ConfigError
 from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.tasks import THINKING as THINKING_DETAILS
 from pytest_fp8gate.judge.verdict import Case
-from pytest_fp8gate.run.lm_adapter import EngineLM, run_task, task_manager
+from pytest_fp8gate.run.lm_adapter import EngineLM, run_task
+from pytest_fp8gate.run.lm_tasks import task_manager
 from pytest_fp8gate.run.record import Needs
 from pytest_fp8gate.tools.demo.embedded import embedded_assets
 
@@ -169,7 +170,7 @@ def test_think_end_and_the_kwargs_are_checked_before_any_engine(tmp_path: Path) 
 
 
 def test_think_end_on_a_task_that_generates_nothing_is_refused_before_any_engine() -> None:
-    from pytest_fp8gate.run.lm_adapter import task_problem
+    from pytest_fp8gate.run.lm_tasks import task_problem
 
     spec = TaskSpec("choice", "fp8gate_tiny_arith_choice", "acc", include_path=Path(__file__).parent / "data" / "tasks",
                     think_end=THINK_END)

@@ -212,7 +212,7 @@ def test_too_few_drafts_or_a_baseline_that_accepts_none_is_no_evidence(pytester:
 
 
 def test_a_cached_baseline_brings_its_counters(pytester: pytest.Pytester, tmp_path: Path):
-    from pytest_fp8gate.run.baseline_cache import _restore
+    from pytest_fp8gate.run.cache_record import restore
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -228,6 +228,6 @@ def test_a_cached_baseline_brings_its_counters(pytester: pytest.Pytester, tmp_pa
     key = json.loads(next(cache.glob("bf16-*/key.json")).read_text())
     assert key["needs"]["speculative"] is True and [w["label"] for w in stored["spec_decode"]] == ["main", "load"]
     with pytest.raises(CacheEntryError, match=r"has no speculative-decoding counters, which \[speculative\] needs"):
-        _restore({**stored, "spec_decode": None}, tmp_path, load_config(pytester.path / "thresholds.toml").baseline,
+        restore({**stored, "spec_decode": None}, tmp_path, load_config(pytester.path / "thresholds.toml").baseline,
                  cache, key)
     assert rules.BY_NAME["acceptance"].test == "test_acceptance_length"

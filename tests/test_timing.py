@@ -8,9 +8,11 @@ import re
 
 import pytest
 
-from fakes import MODELS, fake_engine_class, write_gate
+from fakes import MODELS, build_measurements, fake_engine_class, write_gate
 from pytest_fp8gate import timing
+from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.engines import vllm_startup
+from pytest_fp8gate.run.record import Needs
 from test_selection import UseEngine
 
 
@@ -121,3 +123,18 @@ def test_the_gate_prints_and_reports_where_its_time_went(pytester: pytest.Pytest
     markdown = (pytester.path / "out" / "report.md").read_text()
     assert "## Where the time went" in markdown
     assert re.search(r"\| bf16 +\| engine start +\| [\d.]+ +\| [\d.]+% +\|", markdown)
+
+
+DECODE = "[decode]\nprompts = 2\nprompt_tokens = 100\nnew_tokens = 16\n[decode.limits]\nmin_same_top = 0.9\n\n"
+
+
+def test_each_noise_pass_s_decode_floor_is_its_own_part_of_the_baseline_s_time(tmp_path, fake_gpus) -> None:
+    # Each noise pass's prefill of the baseline's continuations, measured with the baseline: outside any span it
+    # was charged to the first rule judged (seconds of "judging" in the demo), not to the baseline.
+    fake_gpus()
+    config = load_config(write_gate(tmp_path, lambda text: text.replace("[speed]", DECODE + "[speed]"), task=False))
+    found = build_measurements(config, tmp_path / "artifacts", {"good": Needs(probabilities=True, decode=True)})
+    found.record()
+    parts = {(row.owner, row.part): row.seconds for row in found.time.rows()}
+    assert parts[("bf16", "batch-order decode floor")] > 0 and parts[("bf16", "fp16 decode floor")] > 0
+    assert set(found.record().decode_floor) == {"batch-order", "fp16"}

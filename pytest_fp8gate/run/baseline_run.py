@@ -11,6 +11,7 @@ from .. import timing
 from ..config.spec import BATCH_ORDER_PASS, PRECISION_PASSES
 from ..errors import MeasurementError
 from . import preflight
+from .cache_key import baseline_key
 from .endpoint_drift import endpoint_drift
 from .engine_runs import EngineRuns
 from .passes import BATCH_ORDER, Passes
@@ -37,8 +38,6 @@ class BaselineRun:
 
     def key(self, needs: Needs) -> dict[str, Any]:
         """The baseline cache's key: everything that changes the baseline's numbers."""
-        from .baseline_cache import baseline_key
-
         return baseline_key(self.config, needs, self.engines.settings(), self.engines.fingerprint(self.config.baseline))
 
     def fetch(self, cache: BaselineCache | None, measure: Callable[[], BaselineRecord]) -> BaselineRecord:

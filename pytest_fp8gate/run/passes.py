@@ -123,23 +123,23 @@ class Passes:
 
     def _tasks(self) -> Any:
         """lm-eval's task manager, built once: indexing task files is slow."""
-        from . import lm_adapter
+        from . import lm_tasks
 
         if self._task_manager is None:
             with self.engines.time.span(timing.GATE, "indexing lm-eval's tasks"):
-                self._task_manager = lm_adapter.task_manager(self.config.tasks)
+                self._task_manager = lm_tasks.task_manager(self.config.tasks)
         return self._task_manager
 
     def task_problem(self, names: frozenset[str]) -> str | None:
         """Why the tasks ``names`` cannot run (an unknown task, too few examples for the shots), or None."""
-        from . import lm_adapter
+        from . import lm_tasks
 
         tasks = [task for task in self.config.tasks if task.name in names]
         if not tasks:
             return None
         known = self._tasks().all_tasks
-        unknown = lm_adapter.task_name_problems(self.config, known, known, names)
-        return unknown[0] if unknown else lm_adapter.task_problem(tasks, self._tasks())
+        unknown = lm_tasks.task_name_problems(self.config, known, known, names)
+        return unknown[0] if unknown else lm_tasks.task_problem(tasks, self._tasks())
 
     def _run_task(self, engine: Engine, task: TaskSpec, directory: Path, layout: BatchLayout) -> Path:
         from . import lm_adapter

@@ -105,10 +105,13 @@ class Steps:
             decode = record.result.decode
             assert self.config.probabilities is not None and decode is not None  # measured in the main engine
             baseline = self.config.baseline.name
-            record.decode_floor[label] = decode_passes.score_by_prefill(
-                engine, decode.own, self.config.probabilities.top_k, self.engines.full_vocab(), layout)
-            decode_passes.write_floor_dump(self.engines.artifacts / baseline / "decode", decode, label,
-                                           record.decode_floor[label], {"name": baseline, RUN_ID: self.engines.run_id})
+            # Its own part of the time table: left out, it was charged to the first rule judged.
+            with self.engines.time.span(baseline, f"{label} decode floor"):
+                record.decode_floor[label] = decode_passes.score_by_prefill(
+                    engine, decode.own, self.config.probabilities.top_k, self.engines.full_vocab(), layout)
+                decode_passes.write_floor_dump(self.engines.artifacts / baseline / "decode", decode, label,
+                                               record.decode_floor[label],
+                                               {"name": baseline, RUN_ID: self.engines.run_id})
 
     def _load(self, engine: Engine, result: ModelResult, needs: Needs, base: BaselineRecord | None) -> None:
         """[load]'s levels, last in the engine's lifetime: their random prompts then evict none of the

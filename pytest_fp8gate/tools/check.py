@@ -47,10 +47,10 @@ def check_thresholds(path: Path | str) -> Findings:
         findings.problems.append(hub)
     _gpu_count(gate, every, findings)
     if gate.tasks:
-        from ..run import lm_adapter
+        from ..run import lm_tasks
 
-        index = lm_adapter.TaskNames(gate.tasks)
-        findings.problems += lm_adapter.task_name_problems(gate, index, index.names)
+        index = lm_tasks.TaskNames(gate.tasks)
+        findings.problems += lm_tasks.task_name_problems(gate, index, index.names)
     _speed(gate, findings)
     return findings
 
