@@ -46,7 +46,7 @@ def test_a_name_the_file_lacks_is_a_usage_error_naming_the_file_and_its_candidat
                                  "(its candidates: good, bad)"])
 
 
-def test_baseline_only_measures_the_baseline_and_judges_no_candidate(gate: pytest.Pytester):
+def test_baseline_only_measures_the_baseline_and_no_candidate_is_judged(gate: pytest.Pytester):
     engine = fake_engine_class(MODELS)
     result = gate.runpytest("thresholds.toml", "-rs", "--fp8gate-baseline-only", "--fp8gate-baseline-cache", "cache",
                             plugins=[UseEngine(engine)])

@@ -121,7 +121,7 @@ def test_demo_creates_its_workdir_and_collects_the_demo_rules(tmp_path) -> None:
     assert "55 tests collected" in done.stdout
 
 
-def test_demo_on_cuda_judges_speed_with_cuda_graphs(tmp_path) -> None:
+def test_the_demo_on_cuda_has_speed_judged_with_cuda_graphs(tmp_path) -> None:
     from pytest_fp8gate.config.loader import load_config
     from pytest_fp8gate.tools.demo.run import demo_config_text
 

@@ -28,7 +28,7 @@ def test_the_suite_has_one_test_per_rule() -> None:
     assert len(rules.BY_NAME) == len(rules.RULES) == len(rules.BY_TEST)
 
 
-def test_each_row_names_what_judges_it_and_its_limit() -> None:
+def test_each_row_names_its_verdict_and_its_limit() -> None:
     comparison_fields = {f.name for f in dataclasses.fields(LogprobComparison)}
     tables = {"probability": ProbabilityLimits, "bucket": ProbabilityLimits, "task": TaskLimits, "speed": SpeedSpec,
               "decode": DecodeLimits, "load": LoadSpec, "speculative": SpeculativeSpec}

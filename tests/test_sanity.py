@@ -252,7 +252,7 @@ def test_an_uncached_hub_model_offline_fails_before_any_engine(tmp_path: Path, m
 
 
 @pytest.mark.parametrize("rule, key", [("ratio", "flips_ratio = 2"), ("binomial", "flip_alpha = 0.05")])
-def test_the_flip_rule_named_in_the_limits_judges_and_explains_itself(tmp_path: Path, rule: str, key: str) -> None:
+def test_the_flip_rule_named_in_the_limits_is_judged_and_explains_itself(tmp_path: Path, rule: str, key: str) -> None:
     # The candidate gets all 20 of the baseline's right answers wrong against a floor of 0 flips.
     gate = _gate(tmp_path, [1] * 20 + [0] * 20, f'[tasks.limits]\nflip_rule = "{rule}"')
     verdict = gate.evaluate(Case("flips", "fp8", "arith"))

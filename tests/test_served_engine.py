@@ -201,7 +201,7 @@ def test_a_planted_regression_served_fails_its_rules(gates: dict) -> None:
     assert gates["served_returncode"] == 1
 
 
-def test_the_load_rule_judges_every_level_of_the_real_servers(gates: dict) -> None:
+def test_the_load_rule_weighs_every_level_of_the_real_servers(gates: dict) -> None:
     for key in LOAD_TESTS:
         verdict = gates["served"][key]["metadata"]["fp8gate"]
         details = verdict["details"]

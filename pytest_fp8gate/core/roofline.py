@@ -452,7 +452,7 @@ def sliding_window_layers(cfg: dict, layers: int) -> tuple[int, frozenset[int]]:
         return 0, frozenset()
     types = cfg.get("layer_types")
     if isinstance(types, list) and len(types) == layers:
-        return window, frozenset(i for i, kind in enumerate(types) if kind == "sliding_attention")
+        return window, frozenset(i for i, layer_type in enumerate(types) if layer_type == "sliding_attention")
     pattern = cfg.get("sliding_window_pattern")
     if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 1:
         return window, frozenset(i for i in range(layers) if (i + 1) % pattern)

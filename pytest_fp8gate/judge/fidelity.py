@@ -13,18 +13,12 @@ from typing import Any
 from ..core import rules
 from ..core.budget import level_allowance
 from ..core.decode_phase import DecodeComparison
-from ..core.logprobs import TOPK_KL, LogprobComparison, PositionBucket
+from ..core.logprobs import LogprobComparison, PositionBucket
 from ..core.rules import RuleOutcome
 from ..errors import GateError
 from ..run.record import DECODE_DUMP, ON_BASELINE_DUMP, PASS_DESCRIPTIONS, PREFILL_DUMP
 from .decode_comparisons import BASELINE_GAP
-from .fidelity_notes import (
-    candidate_noise_notes,
-    kl_partition_note,
-    positions_note,
-    reference_notes,
-    topk_gap_note,
-)
+from .fidelity_notes import candidate_noise_notes, kl_notes, positions_note, reference_notes
 from .judging import Judging
 from .probability_limits import bounded, limit_shown
 from .recompute import compare_logprobs_command, fp8gate_command
@@ -46,9 +40,7 @@ def probability(judging: Judging, case: Case, rule: rules.Rule) -> Verdict:
     notes += [f"noise pass {label}: {rule.name} = {number(v)} ({PASS_DESCRIPTIONS[label]})"
               for label, v in floor_values.items()]
     if case.rule == "mean_kl":
-        notes.append(f"KL(base || candidate) is {comparison.kl_kind}{kl_partition_note(judging, comparison)}")
-        if comparison.kl_kind == TOPK_KL and judging.records.record().id_scoring_refusal is not None:
-            notes.append(topk_gap_note(spec.top_k))
+        notes += kl_notes(judging, comparison, spec.top_k)
     if k > 0:
         notes.append(f"judged like accuracy: fails only when the limit is missed by more than "
                      f"{k:.3g} SE of the worst noise pass's figure, what a build with no real change shows ("

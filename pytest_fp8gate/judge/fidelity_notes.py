@@ -25,14 +25,16 @@ def topk_gap_note(top_k: int) -> str:
             "lower; benchmarks/README.md, the top-k bound on a real vocabulary)")
 
 
-def kl_partition_note(judging: Judging, comparison: LogprobComparison) -> str:
-    """Which ids a top-k KL summed over: the baseline's top-k, or (scoring given ids refused) the shared ones."""
+def kl_notes(judging: Judging, comparison: LogprobComparison, top_k: int) -> list[str]:
+    """Which KL the mean_kl verdict judged: exact, or a top-k one over the baseline's top-k ids, or (scoring
+    given ids refused) over the ids both top-k share, which reads below the exact KL (``topk_gap_note``)."""
     if comparison.kl_kind != TOPK_KL:
-        return ""
+        return [f"KL(base || candidate) is {comparison.kl_kind}"]
     refusal = judging.records.record().id_scoring_refusal
     if refusal is None:
-        return " (the candidate scored on the baseline's top-k ids)"
-    return f" (on the baseline ids in the candidate's own top-k; scoring given ids was refused: {refusal})"
+        return [f"KL(base || candidate) is {comparison.kl_kind} (the candidate scored on the baseline's top-k ids)"]
+    return [f"KL(base || candidate) is {comparison.kl_kind} (on the baseline ids in the candidate's own top-k; "
+            f"scoring given ids was refused: {refusal})", topk_gap_note(top_k)]
 
 
 def reference_notes(judging: Judging, metric: str, comparison: LogprobComparison, ideal: float,

@@ -101,21 +101,22 @@ PLANT_KINDS: dict[str, str] = {**{kind: recipe.summary for kind, recipe in _RECI
                                EVICTED_SINK: SINK_SUMMARY, WRONG_EOS: _WRONG_EOS_SUMMARY}
 
 
-def plant(kind: str, source_dir: Path, out_dir: Path) -> Path:
-    """Write (or reuse) the planted regression ``kind`` of the checkpoint in ``source_dir``.
+def plant(name: str, source_dir: Path, out_dir: Path) -> Path:
+    """Write (or reuse) the planted regression ``name`` (a key of ``PLANT_KINDS``) of the checkpoint
+    in ``source_dir``.
 
     Returns ``out_dir``. Raises ValueError for an unknown kind, a source without
     safetensors weights, or an ``out_dir`` that is neither empty nor an earlier
     plant (so a mistyped path never replaces a real checkpoint or unrelated data).
     """
-    if kind == EVICTED_SINK:
-        return write_once({"kind": kind, "recipe": SINK_RECIPE}, write_evicted_sink, Path(source_dir), Path(out_dir))
-    if kind == WRONG_EOS:
-        return write_once({"kind": kind}, write_wrong_eos, Path(source_dir), Path(out_dir))
-    if kind not in _RECIPES:
-        raise ValueError(f"unknown plant kind {kind!r}; valid kinds: {', '.join(PLANT_KINDS)}")
-    recipe = _RECIPES[kind]
-    return write_once({"kind": kind, "recipe": asdict(recipe)},
+    if name == EVICTED_SINK:
+        return write_once({"kind": name, "recipe": SINK_RECIPE}, write_evicted_sink, Path(source_dir), Path(out_dir))
+    if name == WRONG_EOS:
+        return write_once({"kind": name}, write_wrong_eos, Path(source_dir), Path(out_dir))
+    if name not in _RECIPES:
+        raise ValueError(f"unknown plant kind {name!r}; valid kinds: {', '.join(PLANT_KINDS)}")
+    recipe = _RECIPES[name]
+    return write_once({"kind": name, "recipe": asdict(recipe)},
                       functools.partial(write_transformed, functools.partial(fp8_round_trip, recipe),
                                         selects=is_projection), Path(source_dir), Path(out_dir))
 
