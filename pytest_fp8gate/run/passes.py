@@ -111,10 +111,7 @@ class Passes:
                     build = reference_builds.write_build(name, source, Path(scratch) / name)
                 except ValueError as err:  # no safetensors weights to round
                     raise MeasurementError(f"reference {name}: {err}") from None
-            reference = dataclasses.replace(spec, name=f"{spec.name}-{label}", model=str(build))
-            if spec.served is not None:  # a managed server: the same serve line on the build
-                command = ("serve", str(build), *spec.served.command[2:])
-                reference = dataclasses.replace(reference, served=dataclasses.replace(spec.served, command=command))
+            reference = spec.on_weights(f"{spec.name}-{label}", str(build))
             with engines.running(reference, reference.name) as engine:
                 # Among the baseline's artifacts, which the baseline cache keeps together.
                 return self.run(engine, reference, Needs(probabilities=True), label, record, folder=spec.name)
