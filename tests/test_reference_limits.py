@@ -176,6 +176,28 @@ def test_a_verdict_reads_against_the_reference_measured_on_this_model_and_the_fl
     assert len(notes) == 3 and all(what in note for note, what in zip(notes, yardsticks))
 
 
+def test_a_limit_over_the_reference_carries_the_reference_s_own_se(judged: tuple[dict, list, Path]):
+    """The reference is measured once: its clustered SE, times the factor, widens the limit's SE (an addition)."""
+    import math
+
+    from pytest_fp8gate.core import rules
+
+    verdicts, _, _ = judged
+    factor = FP8_REFERENCE_RATIOS["mean_kl"]
+    outcome = verdicts["mean_kl", "good"].outcome
+    reference_se = dict(outcome.rows)[f"{factor:g} x the reference's SE (addition)"]
+    assert reference_se > 0 and outcome.limit_key == "reference_ratio.mean_kl"
+    assert outcome.figures["limit_se"] > reference_se
+    null_se = math.sqrt(outcome.figures["limit_se"] ** 2 - reference_se**2)
+    # The same figures with the reference taken as exact: a narrower SE, a larger z past the limit.
+    beyond = 0.010 + 2 * null_se  # two null SEs past the limit
+    exact = rules.at_most("mean_kl", beyond, 0.010, measured_se=null_se, k_se=1.0)
+    carried = rules.at_most("mean_kl", beyond, 0.010, measured_se=null_se, k_se=1.0, reference_se=reference_se)
+    assert carried.figures["limit_se"] == pytest.approx(math.hypot(null_se, reference_se))
+    assert carried.figures["p_value"] > exact.figures["p_value"]
+    assert any("the reference's SE, delta method" in label for label, _ in carried.rows)
+
+
 def test_each_reference_is_written_measured_in_its_own_engine_and_removed(judged: tuple[dict, list, Path]):
     _, calls, directory = judged
     started = [call[1] for call in calls if call[0] == "start"]

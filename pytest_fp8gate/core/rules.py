@@ -375,15 +375,17 @@ def _bounded(
     k_se: float,
     keys: tuple[str, str],
     floor_se: float = 0.0,
+    reference_se: float = 0.0,
 ) -> RuleOutcome:
     # sign=+1: larger is better and the limit is a minimum; sign=-1: the reverse.
     # keys: the settings of the reference and of the floor ratio, for the outcome's limit_key.
+    # reference_se: the reference limit's own SE, where it is an estimate (a factor over a measured build).
     if floor_ratio is not None and floor_value is None:
         raise ValueError(f"{metric_name}: floor_ratio needs a floor_value")
-    if measured_se < 0 or k_se < 0 or floor_se < 0:
-        raise ValueError(f"{metric_name}: measured_se, floor_se and k_se must be >= 0")
+    if measured_se < 0 or k_se < 0 or floor_se < 0 or reference_se < 0:
+        raise ValueError(f"{metric_name}: measured_se, floor_se, reference_se and k_se must be >= 0")
     limit, limit_key = reference, keys[0]
-    se = measured_se
+    se = math.hypot(measured_se, reference_se)
     rows: list[Row] = [("reference", reference)]
     figures: dict[str, float] = {}
     if floor_value is not None:
@@ -404,8 +406,11 @@ def _bounded(
     shortfall = sign * (limit - measured)
     if k_se > 0:
         # Judged like the accuracy rule: only a miss by more than k SE of a build with no real change is evidence.
-        label = "SE of candidate - ratio x floor (floor's SE, delta method)" if se != measured_se \
-            else "noise floor SE"
+        label = "noise floor SE"
+        if limit_key == keys[1] and se != measured_se:
+            label = "SE of candidate - ratio x floor (floor's SE, delta method)"
+        elif limit_key == keys[0] and reference_se > 0:
+            label = "SE of candidate - the limit (the reference's SE, delta method)"
         rows.append((f"{label} (fails beyond {k_se:g} SE)", se))
     return _with_test(_outcome(metric_name, measured, limit, -shortfall + k_se * se, rows, limit_key, figures),
                       shortfall, se, k_se, limit - sign * resolution_shift(se, k_se))
@@ -423,6 +428,7 @@ def at_least(
     k_se: float = 0.0,
     keys: tuple[str, str] = ("reference", "floor_ratio"),
     floor_se: float = 0.0,
+    reference_se: float = 0.0,
 ) -> RuleOutcome:
     """Pass when ``measured >= reference``, and, given a noise floor and
     ``floor_ratio``, when the candidate's distance from ``ideal`` is at most
@@ -437,7 +443,7 @@ def at_least(
     rule's p-value of missing the limit and its resolution (``_with_test``).
     """
     return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, +1, measured_se, k_se,
-                    keys, floor_se)
+                    keys, floor_se, reference_se)
 
 
 def at_most(
@@ -452,6 +458,7 @@ def at_most(
     k_se: float = 0.0,
     keys: tuple[str, str] = ("reference", "floor_ratio"),
     floor_se: float = 0.0,
+    reference_se: float = 0.0,
 ) -> RuleOutcome:
     """Pass when ``measured <= reference``, and, given a noise floor and
     ``floor_ratio``, when the candidate's distance from ``ideal`` is at most
@@ -459,7 +466,7 @@ def at_most(
     ppl_ratio goes to ``ratio_at_most``). ``measured_se``/``k_se`` and ``keys`` as in ``at_least``.
     """
     return _bounded(metric_name, measured, reference, floor_value, floor_ratio, ideal, -1, measured_se, k_se,
-                    keys, floor_se)
+                    keys, floor_se, reference_se)
 
 
 def ratio_at_most(
@@ -474,6 +481,7 @@ def ratio_at_most(
     k_se: float = 0.0,
     keys: tuple[str, str] = ("reference", "floor_ratio"),
     floor_se: float = 0.0,
+    reference_se: float = 0.0,
 ) -> RuleOutcome:
     """``at_most`` for a ratio, judged on its log: pass when ln(measured) <= ln(limit) +
     k_se x ``measured_se``, where ``measured_se`` is the SE of ln(measured) (for the PPL ratio, of
@@ -485,7 +493,7 @@ def ratio_at_most(
         raise ValueError(f"{metric_name}: a ratio's limit and floor must be > 0")
     logs = _bounded(metric_name, _ln(measured), math.log(reference),
                     None if floor_value is None else math.log(floor_value), floor_ratio, math.log(ideal), -1,
-                    measured_se, k_se, keys, floor_se)
+                    measured_se, k_se, keys, floor_se, reference_se)
     limit = math.exp(logs.limit)
     se = logs.figures["limit_se"]
     allowed = limit * math.exp(k_se * se)
@@ -845,7 +853,7 @@ class Bound(Protocol):
     def __call__(self, metric_name: str, measured: float, reference: float, floor_value: float | None = None,
                  floor_ratio: float | None = None, *, ideal: float = ..., measured_se: float = 0.0,
                  k_se: float = 0.0, keys: tuple[str, str] = ("reference", "floor_ratio"),
-                 floor_se: float = 0.0) -> RuleOutcome: ...
+                 floor_se: float = 0.0, reference_se: float = 0.0) -> RuleOutcome: ...
 
 
 @dataclass(frozen=True)
@@ -873,14 +881,15 @@ class Rule:
     se_field: str | None = None  # probability rules: the LogprobComparison field holding the metric's SE
 
     def against_floors(self, metric: str, comparison: Any, floors: Mapping[str, Any], limit: float,
-                       factor: float | None, floor_key: str, limit_se: float, limit_key: str | None = None
-                       ) -> tuple[RuleOutcome, dict[str, float]]:
+                       factor: float | None, floor_key: str, limit_se: float, limit_key: str | None = None,
+                       reference_se: float = 0.0) -> tuple[RuleOutcome, dict[str, float]]:
         """A probability rule (on the corpus, a position bucket or generated text) on ``comparison``'s figure
         ``metric`` against the worst of ``floors``' figures: the one place its limit, floor ratio and limit_se
         meet. limit_se counts SEs of that worst floor's figure, what a build with no real change shows, so a
         worse and noisier candidate is allowed no more; with no floor measured there is no allowance (the
         point estimate is judged). ``limit_key``: the setting ``limit`` comes from, where it is not the rule's
-        own key (a factor over a reference build). Returns the outcome and each floor's figure."""
+        own key (a factor over a reference build); ``reference_se``: that limit's own SE, in the units of
+        ``se_field`` (an addition). Returns the outcome and each floor's figure."""
         assert self.bound is not None and self.ideal is not None and self.se_field is not None
         ideal = self.ideal
         floor_values = {label: value for label, c in floors.items() if (value := getattr(c, metric)) is not None}
@@ -889,7 +898,7 @@ class Rule:
         outcome = self.bound(self.name, getattr(comparison, metric), limit,
                              None if worst is None else floor_values[worst], factor, ideal=ideal,
                              measured_se=null_se, k_se=limit_se, keys=(limit_key or self.limit_key, floor_key),
-                             floor_se=null_se)
+                             floor_se=null_se, reference_se=reference_se)
         return within_sanity_floor(outcome, comparison.same_top), floor_values
 
     def limit_over(self, reference: float, factor: float) -> float:

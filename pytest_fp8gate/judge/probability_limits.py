@@ -34,24 +34,25 @@ def bounded(judging: Judging, rule: rules.Rule, metric: str, comparison: Logprob
             f"{judging.config.path}: probabilities.limits.{rule.limit_key}: the engine gave no distributions to "
             f"compute {metric} from (KL: {comparison.kl_kind}); remove the limit or use full_vocab/top_k"
         )
-    limit, limit_key = getattr(limits, rule.limit_key), None
+    limit, limit_key, reference_se = getattr(limits, rule.limit_key), None, 0.0
     reference = _reference_limit(judging, rule, metric, bucket)
     if reference is not None:
-        limit, limit_key, rows = reference
+        limit, limit_key, rows, reference_se = reference
     outcome, floor_values = rule.against_floors(metric, comparison, floors, limit, limits.floor_ratio_for(metric),
-                                                floor_key(judging, metric), k, limit_key)
+                                                floor_key(judging, metric), k, limit_key, reference_se)
     if reference is not None:  # the reference's rows in place of the absolute limit's "reference" row
         outcome = dataclasses.replace(outcome, rows=(*rows, *outcome.rows[1:]))
     return outcome, floor_values
 
 
 def _reference_limit(judging: Judging, rule: rules.Rule, metric: str, bucket: str | None = None
-                     ) -> tuple[float, str, tuple[rules.Row, ...]] | None:
+                     ) -> tuple[float, str, tuple[rules.Row, ...], float] | None:
     """The limit a factor over the reference build sets (an addition): the reference's distance from the
     ideal, measured on this model (on the position bucket ``bucket`` alone where one is judged, since early
-    and late positions differ for every build), times the factor; with its setting's key and display rows.
-    None where the metric's limit is a value."""
-    assert rule.ideal is not None
+    and late positions differ for every build), times the factor; with its setting's key, display rows and
+    its own SE (the factor times the reference figure's clustered SE: the reference is measured once, on the
+    same text, and its error moves the limit). None where the metric's limit is a value."""
+    assert rule.ideal is not None and rule.se_field is not None
     limits = probability_limits(judging)
     factor = limits.reference_ratio_for(metric)
     if factor is None or getattr(limits, rule.limit_key) is not None:
@@ -59,12 +60,14 @@ def _reference_limit(judging: Judging, rule: rules.Rule, metric: str, bucket: st
     assert limits.reference is not None  # a factor exists only beside a reference
     measured = judging.comparisons.references()[limits.reference]
     same_bucket = None if bucket is None else measured.bucket(bucket)
-    value = getattr(measured if same_bucket is None else same_bucket, metric)
+    figures = measured if same_bucket is None else same_bucket
+    value, value_se = getattr(figures, metric), getattr(figures, rule.se_field) or 0.0
     limit = rule.limit_over(value, factor)
     where = "" if same_bucket is None else f", bucket {bucket}"
     rows = ((f"reference {limits.reference} on this model{where}", value),
-            (f"{factor:g} x its distance from {rule.ideal:g}", limit))
-    return limit, f"reference_ratio.{metric}", rows
+            (f"{factor:g} x its distance from {rule.ideal:g}", limit),
+            (f"{factor:g} x the reference's SE (addition)", factor * value_se))
+    return limit, f"reference_ratio.{metric}", rows, factor * value_se
 
 
 def floor_key(judging: Judging, metric: str) -> str:
