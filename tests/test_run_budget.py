@@ -194,6 +194,24 @@ def test_under_the_budget_the_good_candidate_passes_every_rule_and_the_bad_fails
         assert verdict.details[BUDGET]["p_value"] <= verdict.details[BUDGET]["level"]
 
 
+def test_the_budget_s_shares_do_not_depend_on_the_order_the_tests_ran_in(tmp_path: Path) -> None:
+    """Holm breaks ties (the bad candidate's rules all at p = 0) by the rule table's order, not the run's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hardware, "probe_cuda", lambda: hardware.CudaProbe((), "faked by the test"))
+        config = load_config(write_gate(tmp_path))
+        found = [param.values[0] for name in vars(suite) if name.startswith("test_")
+                 for param in cases.cases_for(name, config, FakeEngine)]
+
+        def shares(order: list) -> dict:
+            gate = fake_gate(config, tmp_path / "artifacts", cases.needs_of(found), run_cases=order)
+            return {case: gate.evaluate(case).details.get(BUDGET) for case in order if case.candidate == "bad"}
+
+        forward, backward = shares(found), shares(found[::-1])
+    tied = [case for case, share in forward.items() if share is not None and share["p_value"] == 0]
+    assert len(tied) >= 2, "the bad candidate should have several rules at p = 0"
+    assert forward == backward
+
+
 def config_alpha(verdicts: dict[tuple[str, str], Verdict]) -> float:
     return next(v.details[BUDGET]["run_alpha"] for v in verdicts.values() if BUDGET in v.details)
 

@@ -27,6 +27,7 @@ from .records import Records
 from .verdict import BUDGET, Case, Verdict
 from .verdict import number as _number
 
+RULE_ORDER = {rule.name: index for index, rule in enumerate(rules.RULES)}
 # The rules besides the probability and decode-phase ones (decided by a bound) that are tests spending the
 # budget; the flip rule is one where it is binomial.
 BUDGETED = frozenset({rules.PAIRED_ACCURACY, rules.INVALID_RATE, rules.TRUNCATION, rules.RECOVERY,
@@ -86,6 +87,9 @@ class Gate:
         be judged counts with p = 1, which only tightens the others' levels."""
         family = tuple(c for c in self.run_cases if c.candidate == case.candidate and self.is_test(c))
         family += () if case in family else (case,)
+        # In the rule table's order, so that Holm's ties (two rules at p = 0) fall the same way whatever
+        # order the tests ran in.
+        family = tuple(sorted(family, key=lambda c: (RULE_ORDER[c.rule], c.task or "")))
         if family not in self._levels:
             for member in family:
                 if member not in self._p_values:
