@@ -48,6 +48,7 @@ from pytest_fp8gate.core.logprobs import LogprobRun
 from pytest_fp8gate.core.rules import LoadLevel
 from pytest_fp8gate.core.spec_decode import Reading, SpecDecodeCounts
 from pytest_fp8gate.engines import capabilities
+from pytest_fp8gate.engines.backend import EngineChoice
 from pytest_fp8gate.engines.base import ALL_AT_ONCE, BatchLayout, Engine, Generation, Latency
 from pytest_fp8gate.errors import IdScoringUnavailable
 from pytest_fp8gate.judge.gate import Gate
@@ -565,10 +566,11 @@ def write_pass(root: Path, label: str, run: LogprobRun, rows: list[dict]) -> Pas
 
 
 def build_measurements(config: GateConfig, artifacts: Path, needs: dict[str, Needs],
-                      engine_class: type[Engine] | None = None, announce: Callable[[str], None] = lambda line: None,
+                      engine_class: type[Engine] | EngineChoice | None = None,
+                      announce: Callable[[str], None] = lambda line: None,
                       cache: BaselineCache | None = None, compile_cache: Path | None = None) -> Measurements:
     """Measurements of ``config`` over ``engine_class``: a fresh fake engine over MODELS unless given (an engine
-    test gives VllmEngine)."""
+    test gives VllmEngine, or the registry's choice per model)."""
     return Measurements(config, artifacts, needs, announce, cache, engine_class or fake_engine_class(MODELS),
                         compile_cache)
 

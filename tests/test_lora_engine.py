@@ -11,7 +11,7 @@ import pytest
 
 from fakes import build_measurements, corpus_probabilities
 from pytest_fp8gate.config.loader import load_config
-from pytest_fp8gate.engines.vllm_engine import VllmEngine
+from pytest_fp8gate.engines import registry
 from pytest_fp8gate.face.cases import needs_of
 from pytest_fp8gate.judge.gate import Gate
 from pytest_fp8gate.judge.verdict import Case
@@ -62,8 +62,9 @@ def test_the_control_adapter_passes_and_the_adapter_on_one_side_fails(tmp_path: 
 def judge_control_and_plant(config, tmp_path: Path) -> Measurements:
     """Judge RULES for both candidates; the control passes each, the plant fails each."""
     cases = {name: [Case(rule, name) for rule in RULES] for name in ("control", "plant")}
+    # The registry's engine for each model, as a run picks it: vLLM in-process, or vLLM's served engine.
     measurements = build_measurements(config, tmp_path / "artifacts", needs_of([*cases["control"], *cases["plant"]]),
-                                     VllmEngine, print)
+                                     registry.engine_class, print)
     gate = Gate(config, measurements)
     verdicts = {name: [gate.evaluate(case) for case in named] for name, named in cases.items()}
     for verdict in (*verdicts["control"], *verdicts["plant"]):
