@@ -637,3 +637,17 @@ def corpus_probabilities(chunks: int) -> str:
     figures (equal to the baseline's but for batching) and far below what their plants move."""
     return (f'[probabilities]\ncorpus = "corpus.txt"\nchunks = {chunks}\nchunk_tokens = 256\ntop_k = 5\n'
             "[probabilities.limits]\nmin_same_top = 0.97\nmax_rms_dp = 0.02\nmax_mean_kl = 0.002\n")
+
+
+# The probability check's references (llama.cpp's Q8_0 row) on generated positions too.
+DECODE = """
+[decode]
+prompts = 3
+prompt_tokens = 100
+new_tokens = 64
+[decode.limits]
+min_same_top = 0.97674
+max_rms_dp = 0.01198
+max_mean_kl = 0.001355
+max_gap_kl = 0.001355
+"""

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from fakes import GENERATION_RULES, FakeEngine, FakeModel, build_measurements, fake_engine_class, write_gate
+from fakes import (
+    DECODE,
+    GENERATION_RULES,
+    FakeEngine,
+    FakeModel,
+    build_measurements,
+    fake_engine_class,
+    write_gate,
+)
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.core import rules
 from pytest_fp8gate.errors import ConfigError
@@ -19,18 +27,6 @@ from pytest_fp8gate.report import markdown_report
 from pytest_fp8gate.run.measure import BATCH_ORDER, Measurements
 from pytest_fp8gate.run.record import Needs
 
-# The probability check's references (llama.cpp's Q8_0 row) on generated positions too.
-DECODE = """
-[decode]
-prompts = 3
-prompt_tokens = 100
-new_tokens = 64
-[decode.limits]
-min_same_top = 0.97674
-max_rms_dp = 0.01198
-max_mean_kl = 0.001355
-max_gap_kl = 0.001355
-"""
 TASK_LIMITS = "flip_alpha = 0.5\nmax_length_drift = 0.10\nmax_invalid_increase = 0.02\n"
 MODELS = {
     "good": FakeModel(logit_noise=0.004, seed=2),

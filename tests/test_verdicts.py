@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes import MODELS, FakeModel, fake_engine_class, fake_gate, write_gate
+from fakes import DECODE, MODELS, FakeModel, fake_engine_class, fake_gate, write_gate
 from pytest_fp8gate import hardware
 from pytest_fp8gate.config.loader import load_config
 from pytest_fp8gate.config.spec import GateConfig, LoadSpec, SpeculativeSpec
@@ -30,17 +30,6 @@ SETTINGS = {"probability": "probabilities.limits", "bucket": "probabilities.limi
 RECOMPUTE = {rules.ACCURACY: "fp8gate flips ", rules.PAIRED_ACCURACY: "fp8gate flips ", rules.FLIPS: "fp8gate flips ",
              rules.RECOVERY: "fp8gate flips ", rules.SPEED: "fp8gate roofline "} | {
     rule.name: "fp8gate compare-logprobs " for rule in rules.RULES if rule.kind in ("probability", "bucket", "decode")}
-DECODE = """[decode]
-prompts = 3
-prompt_tokens = 100
-new_tokens = 64
-[decode.limits]
-min_same_top = 0.97674
-max_rms_dp = 0.01198
-max_mean_kl = 0.001355
-max_gap_kl = 0.001355
-
-"""
 
 
 def _every_limit(text: str) -> str:
