@@ -38,6 +38,12 @@ def test_measuring_names_no_engine_and_stays_small() -> None:
     assert module_lines <= 300, f"{module}: {module_lines} lines"
 
 
+def test_no_class_in_the_package_reaches_250_lines() -> None:
+    """A class of 250 lines holds more than one job (the judge's Gate was 500, Measurements 480)."""
+    _, (lines, name) = graph.largest()
+    assert lines < 250, f"{name}: {lines} lines"
+
+
 def test_no_import_circle() -> None:
     assert graph.first_circle(graph.imports()) == []
 

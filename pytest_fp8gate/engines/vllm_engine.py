@@ -178,15 +178,9 @@ class VllmEngine(Engine):
         """
         if self.capabilities.id_scoring_missing is not None:
             raise IdScoringUnavailable(self.capabilities.id_scoring_missing)
-        from vllm import SamplingParams
         from vllm.exceptions import VLLMValidationError
 
-        bounds = np.cumsum([0] + [len(c) - 1 for c in chunks])
-        if bounds[-1] != len(ids):
-            raise ValueError(f"{len(ids)} id rows for {bounds[-1]} scored positions")
-        params = [SamplingParams(max_tokens=1, detokenize=False,
-                                 prompt_logprob_token_ids=np.ascontiguousarray(ids[a:b], dtype=np.int64))
-                  for a, b in zip(bounds[:-1], bounds[1:])]
+        params = _id_scoring_params(chunks, ids)
         try:
             outputs = self._generate(chunks, params.__getitem__, ALL_AT_ONCE)
         except VLLMValidationError as err:
@@ -302,6 +296,19 @@ def _progress_bar() -> type:
             return super().update(n)
 
     return Bar
+
+
+def _id_scoring_params(chunks: Sequence[Sequence[int]], ids: np.ndarray) -> list[Any]:
+    """One request's sampling parameters per chunk, asking for its scored positions' log-probs on its rows of
+    ``ids``."""
+    from vllm import SamplingParams
+
+    bounds = np.cumsum([0] + [len(c) - 1 for c in chunks])
+    if bounds[-1] != len(ids):
+        raise ValueError(f"{len(ids)} id rows for {bounds[-1]} scored positions")
+    return [SamplingParams(max_tokens=1, detokenize=False,
+                           prompt_logprob_token_ids=np.ascontiguousarray(ids[a:b], dtype=np.int64))
+            for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def spawn_cause() -> str | None:
