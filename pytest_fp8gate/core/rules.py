@@ -879,6 +879,9 @@ class Rule:
     bound: Bound | None = None  # probability rules: at_least or at_most the limit
     ideal: float | None = None  # probability rules: the metric for two identical runs
     se_field: str | None = None  # probability rules: the LogprobComparison field holding the metric's SE
+    # A rule without a bound that is a test spending the run's false-alarm budget (a rule with a bound always
+    # is; the flip rule is one where it is binomial, which its task's limits say).
+    spends_budget: bool = False
 
     def against_floors(self, metric: str, comparison: Any, floors: Mapping[str, Any], limit: float,
                        factor: float | None, floor_key: str, limit_se: float, limit_key: str | None = None,
@@ -916,7 +919,7 @@ RULES: tuple[Rule, ...] = (
     Rule(ACCURACY, "test_accuracy_within_se", Kind.TASK, "accuracy_se"),
     Rule(FLIPS, "test_flips_within_noise_floor", Kind.TASK, "flips_ratio"),
     # An addition beside the article's accuracy rule: the drop on the paired answers, past a practical margin.
-    Rule(PAIRED_ACCURACY, "test_paired_accuracy", Kind.TASK, "accuracy_margin"),
+    Rule(PAIRED_ACCURACY, "test_paired_accuracy", Kind.TASK, "accuracy_margin", spends_budget=True),
     Rule("same_top", "test_same_top_near_baseline", Kind.PROBABILITY, "min_same_top", at_least, 1.0, "same_top_se"),
     Rule("rms_dp", "test_rms_dp_within_limit", Kind.PROBABILITY, "max_rms_dp", at_most, 0.0, "rms_dp_se"),
     Rule("mean_kl", "test_kl_within_limit", Kind.PROBABILITY, "max_mean_kl", at_most, 0.0, "kl_se"),
@@ -933,11 +936,11 @@ RULES: tuple[Rule, ...] = (
     Rule("decode_same_top", "test_decode_same_top", Kind.DECODE, "min_same_top", at_least, 1.0, "same_top_se"),
     Rule("decode_rms_dp", "test_decode_rms_dp", Kind.DECODE, "max_rms_dp", at_most, 0.0, "rms_dp_se"),
     Rule("decode_mean_kl", "test_decode_kl", Kind.DECODE, "max_mean_kl", at_most, 0.0, "kl_se"),
-    Rule(DECODE_GAP, "test_decode_vs_prefill_gap", Kind.DECODE, "max_gap_kl"),
+    Rule(DECODE_GAP, "test_decode_vs_prefill_gap", Kind.DECODE, "max_gap_kl", spends_budget=True),
     Rule(LENGTH_DRIFT, "test_output_length_drift", Kind.TASK, "max_length_drift"),
-    Rule(INVALID_RATE, "test_invalid_rate", Kind.TASK, "max_invalid_increase"),
-    Rule(RECOVERY, "test_recovery", Kind.TASK, "min_recovery"),
-    Rule(TRUNCATION, "test_truncation", Kind.TASK, "max_truncation_increase"),
+    Rule(INVALID_RATE, "test_invalid_rate", Kind.TASK, "max_invalid_increase", spends_budget=True),
+    Rule(RECOVERY, "test_recovery", Kind.TASK, "min_recovery", spends_budget=True),
+    Rule(TRUNCATION, "test_truncation", Kind.TASK, "max_truncation_increase", spends_budget=True),
     # Optional additions (issue 34): the probability rules on the worst position bucket, against the floor's
     # same bucket; collected where [probabilities.limits] per_bucket and the metric's limit are set.
     Rule("bucket_same_top", "test_bucket_same_top", Kind.BUCKET, "min_same_top", at_least, 1.0, "same_top_se"),

@@ -28,10 +28,6 @@ from .verdict import BUDGET, Case, Verdict
 from .verdict import number as _number
 
 RULE_ORDER = {rule.name: index for index, rule in enumerate(rules.RULES)}
-# The rules besides the probability and decode-phase ones (decided by a bound) that are tests spending the
-# budget; the flip rule is one where it is binomial.
-BUDGETED = frozenset({rules.PAIRED_ACCURACY, rules.INVALID_RATE, rules.TRUNCATION, rules.RECOVERY,
-                      rules.DECODE_GAP})
 
 
 class Gate:
@@ -78,7 +74,7 @@ class Gate:
         rule = rules.BY_NAME[case.rule]
         if rule.name == rules.FLIPS:
             return Judging(self.comparisons).task(case).limits.flip_rule == rules.FLIP_BINOMIAL
-        return rule.bound is not None or rule.name in BUDGETED
+        return rule.bound is not None or rule.spends_budget
 
     def _levels_of(self, case: Case) -> dict[Case, float]:
         """Each level under Holm at run_alpha across the case's candidate's budgeted cases in this run (the
