@@ -148,10 +148,11 @@ def judge(name: str, group: str, base: Measured, cand: Measured, floors: list[Me
         """Each rule at its level under the run's budget (its own level where ``levels`` has none)."""
         verdicts: dict[str, rules.RuleOutcome] = {}
         for rule in probability:
-            limit = configured_limit(rule, config, references)
+            limit, reference_se = configured_limit(rule, config, references)
             verdicts[rule.name], _ = rule.against_floors(rule.name, comparison, floor_comparisons, limit,
                                                          limits.floor_ratio_for(rule.name), "floor_ratio",
-                                                         level_allowance(levels.get(rule.name), limits.limit_se))
+                                                         level_allowance(levels.get(rule.name), limits.limit_se),
+                                                         reference_se=reference_se)
         verdicts["accuracy"] = rules.accuracy_within_se(answers.accuracy_base, answers.accuracy_cand, n,
                                                         k=task.accuracy_se)
         verdicts["paired_accuracy"] = rules.paired_accuracy_within(
@@ -182,14 +183,17 @@ def by_chunk(base: LogprobRun, cand: LogprobRun, config: GateConfig) -> LogprobC
     return compare_logprobs(base, cand, chunk_positions(base.positions, config.probabilities.chunk_tokens))
 
 
-def configured_limit(rule: rules.Rule, config: GateConfig, references: dict[str, LogprobComparison]) -> float:
-    """A probability rule's limit as the gate sets it: its value, or its factor over the reference build."""
+def configured_limit(rule: rules.Rule, config: GateConfig, references: dict[str, LogprobComparison]
+                     ) -> tuple[float, float]:
+    """A probability rule's limit as the gate sets it, with its own SE: its value (exact), or its factor over
+    the reference build (carrying the reference's SE)."""
     assert config.probabilities is not None
     limits = config.probabilities.limits
     factor = limits.reference_ratio_for(rule.name)
     if getattr(limits, rule.limit_key) is None and factor is not None and limits.reference is not None:
-        return rule.limit_over(getattr(references[limits.reference], rule.name), factor)
-    return getattr(limits, rule.limit_key)
+        _, limit, limit_se = rule.over_reference(references[limits.reference], rule.name, factor)
+        return limit, limit_se
+    return getattr(limits, rule.limit_key), 0.0
 
 
 def count_flips(base: Measured, cand: Measured) -> int:
@@ -210,9 +214,9 @@ def reference_factor_fails(figures: Figures, floors: list[LogprobComparison], re
 
     def fails(name: str) -> bool:
         rule = rules.BY_NAME[name]
-        limit = rule.limit_over(getattr(reference, name), factor)
+        _, limit, limit_se = rule.over_reference(reference, name, factor)
         return not rule.against_floors(name, figures.comparison, named, limit, None, "floor_ratio",
-                                       limits.limit_se)[0].passed
+                                       limits.limit_se, reference_se=limit_se)[0].passed
 
     return fails("mean_kl"), fails("same_top")
 
@@ -447,7 +451,7 @@ def main() -> None:
     if reference is not None:
         print_reference_factors(figures, floor_comparisons, (reference, references[reference]), config)
     null_rate = float(np.mean([f.flips for f in nulls])) / questions
-    kl_limit = configured_limit(rules.BY_NAME["mean_kl"], config, references)
+    kl_limit, _ = configured_limit(rules.BY_NAME["mean_kl"], config, references)
     print_resolution(figures, floor_comparisons, floor_flips / (questions * passes), null_rate, questions,
                      config, kl_limit)
 

@@ -904,6 +904,15 @@ class Rule:
                              floor_se=null_se, reference_se=reference_se)
         return within_sanity_floor(outcome, comparison.same_top), floor_values
 
+    def over_reference(self, figures: Any, metric: str, factor: float) -> tuple[float, float, float]:
+        """A limit at ``factor`` times a reference build's distance from the ideal (an addition), from the
+        build's measured ``figures`` (a LogprobComparison, or one position bucket's): the build's ``metric``,
+        the limit, and the limit's own SE (the factor times the metric's clustered SE: the build is measured
+        once, so its error moves the limit)."""
+        assert self.se_field is not None
+        value = getattr(figures, metric)
+        return value, self.limit_over(value, factor), factor * (getattr(figures, self.se_field) or 0.0)
+
     def limit_over(self, reference: float, factor: float) -> float:
         """A probability rule's limit at ``factor`` times a reference build's distance from the ideal (an
         addition): 1 - factor x (1 - same top), factor x KL, and for the PPL ratio in logs."""

@@ -60,14 +60,12 @@ def _reference_limit(judging: Judging, rule: rules.Rule, metric: str, bucket: st
     assert limits.reference is not None  # a factor exists only beside a reference
     measured = judging.comparisons.references()[limits.reference]
     same_bucket = None if bucket is None else measured.bucket(bucket)
-    figures = measured if same_bucket is None else same_bucket
-    value, value_se = getattr(figures, metric), getattr(figures, rule.se_field) or 0.0
-    limit = rule.limit_over(value, factor)
+    value, limit, limit_se = rule.over_reference(measured if same_bucket is None else same_bucket, metric, factor)
     where = "" if same_bucket is None else f", bucket {bucket}"
     rows = ((f"reference {limits.reference} on this model{where}", value),
             (f"{factor:g} x its distance from {rule.ideal:g}", limit),
-            (f"{factor:g} x the reference's SE (addition)", factor * value_se))
-    return limit, f"reference_ratio.{metric}", rows, factor * value_se
+            (f"{factor:g} x the reference's SE (addition)", limit_se))
+    return limit, f"reference_ratio.{metric}", rows, limit_se
 
 
 def floor_key(judging: Judging, metric: str) -> str:
