@@ -23,7 +23,6 @@ from test_selection import UseEngine, measured
 
 def write_adapter(directory: Path, rank: int = 4, scale: float = 0.05, seed: int = 0) -> Path:
     """The demo's adapter for the embedded model (hidden 256, 2 KV heads of 64) on q_proj and v_proj."""
-    directory.mkdir(parents=True)
     return write_demo_adapter(directory, embedded_assets().model, rank, scale, seed)
 
 

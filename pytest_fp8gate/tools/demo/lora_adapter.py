@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
-from ...atomic import atomic_write_text
+from ...atomic import atomic_write_bytes, atomic_write_text
 
 ADAPTER_MODULES = ("q_proj", "v_proj")
 
@@ -31,7 +31,7 @@ def write_adapter(directory: Path, model: Path, rank: int = 4, scale: float = 0.
             tensors[f"{prefix}.lora_B.weight"] = (torch.randn(outputs[module], rank, generator=generator)
                                                   * scale).bfloat16()
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    atomic_write_bytes(directory / "adapter_model.safetensors", save(tensors))
     atomic_write_text(directory / "adapter_config.json", json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
         "target_modules": list(ADAPTER_MODULES), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
