@@ -47,16 +47,6 @@ max_gen_toks = 96
 [tasks.limits]
 max_truncation_increase = 0.05
 """
-WRONG_EOS_CANDIDATE = """
-[[candidates]]
-name = "{name}"
-model = "{model}"
-[candidates.engine]
-dtype = "bfloat16"
-max_model_len = 2048
-enforce_eager = true
-kv_cache_memory_bytes = 1073741824
-"""
 CASES = [*(Case(rules.TRUNCATION, name, TASK) for name in (NULL, WRONG_EOS)),
          *(Case(rule, name) for rule in BUCKET_RULES for name in (NULL, ROPE))]
 
@@ -72,8 +62,8 @@ def judge_plants(directory: Path) -> dict[tuple[str, str], Verdict]:
             + THINKING_TASK.format(task=TASK, tasks=assets.tasks.as_posix())
             + rope_plant.CANDIDATE.format(name=NULL, model=model.as_posix(), theta=rope_plant.CHECKPOINT_THETA)
             + rope_plant.CANDIDATE.format(name=ROPE, model=model.as_posix(), theta=ROPE_THETA)
-            + WRONG_EOS_CANDIDATE.format(name=WRONG_EOS,
-                                         model=plant(WRONG_EOS, model, directory / WRONG_EOS).as_posix()))
+            + rope_plant.PLAIN_CANDIDATE.format(name=WRONG_EOS,
+                                                 model=plant(WRONG_EOS, model, directory / WRONG_EOS).as_posix()))
     path = directory / "thresholds.toml"
     path.write_text(text)
     config = rope_plant.q8_row_only(load_config(path))

@@ -49,7 +49,8 @@ max_ppl_ratio = 1.000425
 limit_se = 1.0
 floor_ratio = {{ mean_kl = 20 }}
 """
-CANDIDATE = """
+# A candidate with the baseline's engine settings; CANDIDATE adds the RoPE base it runs at.
+PLAIN_CANDIDATE = """
 [[candidates]]
 name = "{name}"
 model = "{model}"
@@ -58,8 +59,9 @@ dtype = "bfloat16"
 max_model_len = 2048
 enforce_eager = true
 kv_cache_memory_bytes = 1073741824
-hf_overrides = {{ rope_parameters = {{ rope_theta = {theta}, rope_type = "default" }} }}
 """
+CANDIDATE = PLAIN_CANDIDATE + ('hf_overrides = {{ rope_parameters = {{ rope_theta = {theta}, '
+                               'rope_type = "default" }} }}\n')
 
 
 def candidate_name(theta: float) -> str:
